@@ -741,6 +741,7 @@ class _FenceScanner:
 
     def __init__(self):
         self.text, self.line_start, self.in_code = "", 0, False
+        self.code_start = self.code_end = None  # the block's code: text[code_start:code_end]
 
     def feed(self, piece: str):
         """Append decoded text; return ('close' | 'fake_output', cut) where cut is the
@@ -751,11 +752,12 @@ class _FenceScanner:
             nl = line.find("\n")
             if line.startswith("```"):
                 if self.in_code:
+                    self.code_end = self.line_start
                     return "close", self.line_start + 3
                 if line.startswith("```output"):
                     return "fake_output", self.line_start
                 if nl >= 0 and line[3:nl].strip().lower() in _PY_LANGS:
-                    self.in_code = True
+                    self.in_code, self.code_start = True, self.line_start + nl + 1
             elif len(line) < 3 and "```".startswith(line) and nl < 0:
                 return None  # maybe the start of a fence: wait for more text
             if nl < 0:
@@ -806,7 +808,7 @@ class _Row:
     def __init__(self, prompt_ids):
         self.ids, self.roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
         self.logprobs = [float("nan")] * len(prompt_ids)
-        self.prompt_len = len(prompt_ids)
+        self.prompt_len = self.n_fed = len(prompt_ids)  # n_fed: ids already in the KV cache
         self.scanner = _FenceScanner()
         self.seg_start = len(self.ids)  # first id of the current model segment
         self.blocks, self.tool_calls, self.n_model = [], 0, 0
@@ -929,14 +931,16 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 cache.batch_select_indices(k)
                 mask, n_real, live = mask[k], n_real[k], [live[b] for b in keep]
             # 4) when every live row waits on a block, run them all at once
-            waiting = [b for b, i in enumerate(live) if rows[i].code is not None]
-            if len(waiting) == len(live):
-                feeds = _run_pending([rows[i] for i in live], sandbox, tokenizer, max_context, finish)
+            if all(rows[i].code is not None for i in live):
+                _run_pending([rows[i] for i in live], sandbox, tokenizer, max_context, finish)
                 if all(rows[i].finish is not None for i in live):
                     break
-                feeds = [f if rows[i].finish is None else [] for f, i in zip(feeds, live)]
-            else:  # decoding rows feed their last token; waiting rows feed nothing
-                feeds = [[] if rows[i].code is not None else [rows[i].ids[-1]] for i in live]
+            # each row feeds what the cache lacks: its last sampled token, or the fence and
+            # the output block after a run; a row still waiting on its block feeds nothing
+            feeds = [[] if rows[i].code is not None or rows[i].finish is not None
+                     else rows[i].ids[rows[i].n_fed:] for i in live]
+            for f, i in zip(feeds, live):
+                rows[i].n_fed += len(f)
             need = [len(f) > 0 for f in feeds]
             # 5) one forward over the ragged chunk (a token, or an output block)
             logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
@@ -962,7 +966,7 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
             return finish(r, "stop")
         if r.tool_calls >= max_tool_calls:
             return finish(r, "tool_budget")
-        r.code = _block_code(r.scanner.text[:cut])
+        r.code = r.scanner.text[r.scanner.code_start:r.scanner.code_end]
         return
     if len(r.ids) >= max_context or (max_new_tokens and r.n_model >= max_new_tokens):
         finish(r, "length")
@@ -987,38 +991,26 @@ def _trim_to_fence(r, cut, tokenizer):
     sc.text = sc.text[:cut]
 
 
-def _block_code(text: str) -> str:
-    """The code of the last ```python block in a segment that ends at its closing fence."""
-    start = text.rfind("```", 0, len(text) - 3)  # the opening fence
-    body = text[start:len(text) - 3]
-    body = body[body.find("\n") + 1:] if "\n" in body else ""
-    return body
-
-
 def _run_pending(batch_rows, sandbox, tokenizer, max_context, finish):
-    """Run every waiting block at once; return each row's output-block ids to feed."""
+    """Run every waiting block at once and append each row's ```output block."""
     results = sandbox.run_many([r.code for r in batch_rows])
-    feeds = []
     for r, res in zip(batch_rows, results):
         r.tool_calls += 1
         r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
         r.code = None
+        if r.plan_text is None:
+            r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
         lead = "" if r.scanner.text.endswith("\n") else "\n"
         chunk = tokenizer.encode(f"{lead}```output\n{res.output.rstrip(chr(10))}\n```\n",
                                  add_special_tokens=False)
-        if r.plan_text is None:
-            r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
         if len(r.ids) + len(chunk) >= max_context:
             finish(r, "length")
-            feeds.append([])
             continue
         r.ids += chunk
         r.roles += [ROLE_OUTPUT] * len(chunk)
         r.logprobs += [float("nan")] * len(chunk)
         r.scanner = _FenceScanner()
         r.seg_start = len(r.ids)
-        feeds.append(chunk)
-    return feeds
 
 
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":
@@ -1036,6 +1028,106 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish,
                   pred=extract_answer(final_text), seed=seed, plan_text=plan, final_text=final_text)
+
+
+# -----------------------------------------------------------------------------
+# Files: problems in, samples out (shared by every stage)
+
+_PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth", "solution")
+
+
+def read_problems(path: str) -> list:
+    """Read a problems JSONL: one {"id", "problem", "answer"} object per line; extra fields
+    are kept. `question` and `ground_truth` / `solution` are accepted as the problem and
+    answer fields. A missing id becomes "<file stem>-<line>". Blank lines are skipped.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not a JSON object, or has no problem or no answer;
+            the message names the file, the line number and the field.
+    """
+    out = []
+    stem = os.path.splitext(os.path.basename(path))[0]
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for field, keys in (("problem", _PROBLEM_KEYS), ("answer", _ANSWER_KEYS)):
+                key = next((k for k in keys if row.get(k) not in (None, "")), None)
+                if key is None:
+                    raise ValueError(f"{path}:{lineno}: missing field '{field}' (or one of {keys[1:]})")
+                row[field] = str(row[key])
+            row["id"] = str(row.get("id", f"{stem}-{lineno}"))
+            out.append(row)
+    return out
+
+
+def append_jsonl(path: str, rows) -> None:
+    """Append whole lines and fsync, so a kill never leaves a half-written line behind
+    (each row is written with one write call of its full line)."""
+    if not rows:
+        return
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl_tolerant(path: str) -> list:
+    """Read a JSONL this project appended to, ignoring a torn last line (a run killed in
+    the middle of a write); any other bad line raises ValueError naming file and line."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    rows = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if lineno == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
+    return rows
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON (or a str) to path via a temp file in the same folder and a rename."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2, ensure_ascii=False))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sample_record(problem: dict, sample, tokenizer) -> dict:
+    """The trajectory / sample JSONL row of the design card: the problem's fields, then
+    completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
+    completion_tokens (model + output tokens), model_tokens, plan_tokens (plan text
+    re-encoded with this tokenizer), blocks and the rollout seed."""
+    row = dict(problem)
+    comp_tokens = len(sample.ids) - len(sample.prompt_ids)
+    row.update(completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),
+               finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
+               n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
+               completion_tokens=comp_tokens, model_tokens=sample.n_model_tokens,
+               plan_tokens=len(tokenizer.encode(sample.plan_text, add_special_tokens=False)),
+               blocks=sample.blocks, seed=sample.seed)
+    return row
 
 
 # -----------------------------------------------------------------------------

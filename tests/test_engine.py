@@ -1,0 +1,286 @@
+"""The trajectory engine: KV-cached sampler, stop detection, rollout loop (cases G1-G8)."""
+import math
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import executor as ex
+import tiny
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with ex.Sandbox(workers=2, timeout=5) as sb:
+        yield sb
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def naive_greedy(model, prompt, steps):
+    """Reference: recompute the full forward every step, no cache, no padding."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
+
+class Scripted(torch.nn.Module):
+    """A model whose logits force scripted sequences. For each row and position p whose
+    input token is x, it finds the script s with s[p] == x and puts all mass on s[p + 1]
+    (EOS past the end). The tiny base model still runs, so the KV cache is real."""
+
+    def __init__(self, base, scripts, eos_id):
+        super().__init__()
+        self.base, self.scripts, self.eos_id = base, scripts, eos_id
+        self.config, self.generation_config = base.config, base.generation_config
+
+    def forward(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep):
+        self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  cache=cache, use_cache=True, logits_to_keep=1)
+        B, L = input_ids.shape
+        logits = torch.zeros(B, 1, self.config.vocab_size)
+        real = attention_mask[:, -L:]
+        for b in range(B):
+            if real[b, -1] == 0:
+                continue
+            p, x = int(position_ids[b, -1]), int(input_ids[b, -1])
+            nxt = self.eos_id
+            for s in self.scripts:
+                if p < len(s) and s[p] == x:
+                    nxt = s[p + 1] if p + 1 < len(s) else self.eos_id
+                    break
+            logits[b, 0, nxt] = 100.0
+        return types.SimpleNamespace(logits=logits)
+
+
+# -- sampler maths -----------------------------------------------------------------
+
+def test_g6_temperature_zero_is_argmax_without_nan():
+    logits = torch.tensor([[0.0, 3.0, -float("inf"), 1.0], [5.0, -1.0, 2.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    tok, lp = ex.sample_next_token(logits, g, temperature=0.0)
+    assert tok.tolist() == [1, 0]
+    assert torch.isfinite(lp).all()
+    tok2, _ = ex.sample_next_token(logits, torch.Generator().manual_seed(123), temperature=0.0)
+    assert tok2.tolist() == [1, 0]
+
+
+def test_top_p_keeps_smallest_prefix_and_at_least_one():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]], dtype=torch.float64)
+
+    def kept(**kw):
+        return (ex.filter_top_p_top_k(probs, **kw) > 0).int().tolist()[0]
+    assert kept(top_p=0.75) == [0, 1, 0, 1]       # 0.5 + 0.3 >= 0.75
+    assert kept(top_p=0.85) == [1, 1, 0, 1]
+    assert kept(top_p=0.1) == [0, 1, 0, 0]        # never fewer than one
+    assert torch.equal(ex.filter_top_p_top_k(probs, top_p=1.0), probs)
+    assert kept(top_k=2) == [0, 1, 0, 1]
+
+
+def test_g7_group_rows_draw_first_token_independently(model, tokenizer, sandbox):
+    prompt = ex.build_prompt_ids(tokenizer, "Count the pairs.")
+    out = ex.rollout(model, tokenizer, [prompt], sandbox, n=8, temperature=1.0, max_new_tokens=1, seed=0)
+    first = [s.ids[len(prompt)] for s in out]
+    assert len(set(first)) > 1, first
+    # and the same seed reproduces the same group
+    again = ex.rollout(model, tokenizer, [prompt], sandbox, n=8, temperature=1.0, max_new_tokens=1, seed=0)
+    assert [s.ids for s in again] == [s.ids for s in out]
+
+
+# -- exactness of the cache and the padding -----------------------------------------
+
+def test_g1_ragged_batch_equals_each_prompt_alone_and_naive_loop(model, tokenizer, sandbox):
+    p_short = enc(tokenizer, "Solve it")[:3]
+    p_long = ex.build_prompt_ids(tokenizer, "How many integers n between 1 and 100 are divisible?")[:40]
+    assert (len(p_short), len(p_long)) == (3, 40)
+    kw = dict(temperature=0.0, max_new_tokens=32, max_context=4096)
+    both = ex.rollout(model, tokenizer, [p_short, p_long], sandbox, **kw)
+    for p, s in zip((p_short, p_long), both):
+        alone = ex.rollout(model, tokenizer, [p], sandbox, **kw)[0]
+        assert s.ids == alone.ids
+        assert s.ids == naive_greedy(model, p, len(s.ids) - len(p))
+        assert s.finish_reason == "length" and s.n_model_tokens == 32
+
+
+def test_g8_chunk_on_nonempty_cache_matches_full_forward(model, tokenizer):
+    """Ragged chunks (k > 1) fed on top of a cache with holes in its mask give the logits
+    of one no-cache forward over each row's real tokens."""
+    rows = [enc(tokenizer, "for a in range(1, 101):"), enc(tokenizer, "print(len(s))")]
+    chunks = [enc(tokenizer, "\n```output\n70\n```\n"), enc(tokenizer, " 12")]
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        mask = torch.zeros((2, 0), dtype=torch.long)
+        n_real = torch.zeros(2, dtype=torch.long)
+        _, mask, n_real = ex._forward_chunk(model, cache, mask, rows, n_real, tokenizer.pad_token_id)
+        _, mask, n_real = ex._forward_chunk(model, cache, mask, [[], [5]], n_real, tokenizer.pad_token_id)
+        last, mask, n_real = ex._forward_chunk(model, cache, mask, chunks, n_real, tokenizer.pad_token_id)
+        full = [rows[0] + chunks[0], rows[1] + [5] + chunks[1]]
+        for b in range(2):
+            ref = model(torch.tensor([full[b]])).logits[0, -1]
+            assert (last[b] - ref).abs().max().item() < 1e-4
+        assert n_real.tolist() == [len(full[0]), len(full[1])]
+
+
+def test_sampler_logprobs_equal_one_full_forward(model, tokenizer, sandbox):
+    prompts = [ex.build_prompt_ids(tokenizer, "Find x."), enc(tokenizer, "def f(n):")]
+    out = ex.rollout(model, tokenizer, prompts, sandbox, n=2, temperature=0.7, max_new_tokens=24, seed=3)
+    for s in out:
+        with torch.no_grad():
+            logits = model(torch.tensor([s.ids])).logits[0].float() / 0.7
+        ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(s.ids[1:])[:, None])[:, 0]
+        got = torch.tensor(s.logprobs[1:])
+        model_pos = torch.tensor(s.roles[1:]) == ex.ROLE_MODEL
+        assert model_pos.sum() == s.n_model_tokens > 0
+        assert (got[model_pos] - ref[model_pos]).abs().max().item() < 1e-4
+        assert torch.isnan(got[~model_pos]).all()
+
+
+# -- stops ---------------------------------------------------------------------------
+
+def test_g3_row_done_at_eos_contributes_nothing_more(tokenizer, sandbox):
+    base = tiny.make_model(tokenizer)
+    eos = tokenizer.eos_token_id
+    a, b = enc(tokenizer, "a"), enc(tokenizer, "b")
+    p0, p1 = [a[0]] * 4, [b[0]] * 4
+    s0 = p0 + [a[0], eos]                     # row 0: one token, then EOS at step 1
+    s1 = p1 + [b[0]] * 11 + [eos]             # row 1: eleven tokens, then EOS
+    model = Scripted(base, [s0, s1], eos)
+    out = ex.rollout(model, tokenizer, [p0, p1], sandbox, temperature=0.0, max_new_tokens=100)
+    assert out[0].ids == s0 and out[1].ids == s1
+    assert [o.finish_reason for o in out] == ["stop", "stop"]
+    assert out[0].n_model_tokens == 2 and len(out[0].logprobs) == len(s0)
+
+
+def test_g4_stop_ids_are_the_union(tokenizer, sandbox):
+    base = tiny.make_model(tokenizer)
+    base.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
+    ids = ex.stop_token_ids(tokenizer, base)
+    vocab = tokenizer.get_vocab()
+    assert {vocab["<|im_end|>"], vocab["<|endoftext|>"], 7} <= ids
+    # the model ends with <|endoftext|> although the tokenizer's EOS is <|im_end|>
+    p = enc(tokenizer, "q")
+    x = enc(tokenizer, "x")[0]
+    for end in (vocab["<|endoftext|>"], vocab["<|im_end|>"], 7):
+        model = Scripted(base, [p + [x, x, end]], tokenizer.eos_token_id)
+        out = ex.rollout(model, tokenizer, [p], sandbox, temperature=0.0, max_new_tokens=50)[0]
+        assert out.ids == p + [x, x, end] and out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def fence_tok():
+    """A tokenizer with the awkward fence tokens of real vocabularies (case G5)."""
+    tok = tiny.make_tokenizer()
+    tok.add_tokens(["``", "`\n", "```\n\n", "```\nThe"])
+    return tok
+
+
+def _trajectory_case(tok, fence_ids, tail_kept, sandbox):
+    """Plan, a block closed by `fence_ids`, its output, then a boxed answer."""
+    base = tiny.make_model(tok)
+    eos = tok.eos_token_id
+    prompt = ex.build_prompt_ids(tok, "What is 6 times 7?")
+    code = 's = "```"\nprint(6 * 7)\n'
+    seg1 = enc(tok, "Multiply.\n```python\n" + code)
+    # model text up to and including the fence, as the engine keeps it
+    kept = tok.decode(seg1) + tail_kept
+    out_text = ("" if kept.endswith("\n") else "\n") + "```output\n42\n```\n"
+    seg2 = enc(tok, "\\boxed{42}")
+    return base, eos, prompt, seg1, out_text, seg2, code
+
+
+@pytest.mark.parametrize("case", ["two_tokens", "fence_newlines", "fence_then_word"])
+def test_g5_closing_fence_split_any_way_stops_once(fence_tok, sandbox, case):
+    tok = fence_tok
+    v = tok.get_vocab()
+    fence = {"two_tokens": [v["``"], v["`\n"]], "fence_newlines": [v["```\n\n"]],
+             "fence_then_word": [v["```\nThe"]]}[case]
+    tail = {"two_tokens": "```\n", "fence_newlines": "```\n\n", "fence_then_word": "```"}[case]
+    base, eos, prompt, seg1, out_text, seg2, code = _trajectory_case(tok, fence, tail, sandbox)
+    script = prompt + seg1 + fence
+    # what the sampler must return: for "```\nThe" the fence token is replaced by the
+    # environment's tokens for "```" (text after the fence is not kept)
+    if case == "fence_then_word":
+        fence_kept = enc(tok, "```")
+        expected = prompt + seg1 + fence_kept + enc(tok, out_text) + seg2 + [eos]
+    else:
+        expected = prompt + seg1 + fence + enc(tok, out_text) + seg2 + [eos]
+    model = Scripted(base, [script + [eos], expected], eos)
+    out = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_new_tokens=200)[0]
+    assert len(out.blocks) == 1, out.text
+    assert out.blocks[0]["code"] == code
+    assert out.blocks[0]["output"] == "42\n"
+    assert out.ids == expected
+    assert "The" not in out.text
+    assert out.pred == "42" and out.finish_reason == "stop"
+
+
+def test_scripted_two_blocks_ids_roles_and_outputs(tokenizer, sandbox):
+    tok = tokenizer
+    eos = tok.eos_token_id
+    base = tiny.make_model(tok)
+    prompt = ex.build_prompt_ids(tok, "Sum 1..10, then square it.")
+    # this tokenizer has "```" as one token, so the row stops right after it and the
+    # newline that follows belongs to the environment's output block
+    seg1 = enc(tok, "Plan: sum, then square.\n```python\nprint(sum(range(11)))\n```")
+    out1 = enc(tok, "\n```output\n55\n```\n")
+    seg2 = enc(tok, "```python\nx = 55 ** 2\nprint(x)\n```")
+    out2 = enc(tok, "\n```output\n3025\n```\n")
+    seg3 = enc(tok, "\\boxed{3025}")
+    full = prompt + seg1 + out1 + seg2 + out2 + seg3 + [eos]
+    model = Scripted(base, [full], eos)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_new_tokens=500)[0]
+    assert s.ids == full
+    roles = ([ex.ROLE_PROMPT] * len(prompt) + [ex.ROLE_MODEL] * len(seg1) + [ex.ROLE_OUTPUT] * len(out1)
+             + [ex.ROLE_MODEL] * len(seg2) + [ex.ROLE_OUTPUT] * len(out2) + [ex.ROLE_MODEL] * (len(seg3) + 1))
+    assert s.roles == roles
+    assert [b["output"] for b in s.blocks] == ["55\n", "3025\n"]
+    assert [b["status"] for b in s.blocks] == ["ok", "ok"]
+    assert s.pred == "3025" and s.finish_reason == "stop"
+    assert s.plan_text == "Plan: sum, then square.\n"
+    assert s.final_text == "\\boxed{3025}"
+    assert s.text == tok.decode(full[len(prompt):-1])
+    assert all(math.isnan(lp) == (r != ex.ROLE_MODEL) for lp, r in zip(s.logprobs, s.roles))
+
+    # budgets: one tool call allowed -> the second block is not run
+    t = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_tool_calls=1)[0]
+    assert t.finish_reason == "tool_budget" and len(t.blocks) == 1
+    assert t.ids == prompt + seg1 + out1 + seg2
+    # new-token budget ends inside the first segment
+    u = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_new_tokens=5)[0]
+    assert u.finish_reason == "length" and u.ids == prompt + seg1[:5]
+    # context budget: the first output block does not fit
+    ctx = len(prompt) + len(seg1) + 2
+    w = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_context=ctx)[0]
+    assert w.finish_reason == "length" and len(w.ids) <= ctx
+
+
+def test_opening_fence_and_backticks_in_strings_do_not_stop(tokenizer, sandbox):
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = enc(tok, "q:")
+    seg = enc(tok, "```python\nprint('a ``` b')\n```")
+    full = prompt + seg + enc(tok, "\n```output\na ``` b\n```\n") + [eos]
+    model = Scripted(tiny.make_model(tok), [full], eos)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
+    assert len(s.blocks) == 1 and s.blocks[0]["code"] == "print('a ``` b')\n"
+    assert s.ids == full
+
+
+def test_answer_is_taken_from_model_text_only(tokenizer, sandbox):
+    """Case L7 (engine side): a block prints \\boxed{42}, the model never boxes."""
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = enc(tok, "q:")
+    seg = enc(tok, "```python\nprint('\\\\boxed{42}')\n```")
+    full = prompt + seg + enc(tok, "\n```output\n\\boxed{42}\n```\n") + enc(tok, "done") + [eos]
+    model = Scripted(tiny.make_model(tok), [full], eos)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
+    assert s.ids == full and s.blocks[0]["output"] == "\\boxed{42}\n"
+    assert s.pred is None
