@@ -717,15 +717,18 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     return model.to(device).eval(), tokenizer
 
 
-def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> list[int]:
+def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT,
+                     **template_kwargs) -> list[int]:
     """Token ids of the prompt, built with the tokenizer's own chat template: the system
     message, then each (problem, completion) few-shot pair as prior user / assistant
-    turns, then the problem, then the assistant header (generation prompt)."""
+    turns, then the problem, then the assistant header (generation prompt).
+    template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
+    thinking block would otherwise precede the plan)."""
     msgs = [{"role": "system", "content": system}]
     for q, a in fewshot:
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     msgs.append({"role": "user", "content": problem})
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_kwargs)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

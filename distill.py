@@ -1,0 +1,351 @@
+"""THINC-SFT data: sample trajectories from a 3-shot prompted teacher and keep those that
+pass the paper's four-rule filter (paper, Sec. "THINC-SFT data").
+
+For each problem the teacher samples tau = (q, t1, c1, o1, ..., cN, oN, a) with the engine
+of executor.py. A trajectory is kept iff (i) grade(pred, gold), pred taken from the model's
+own text after its last output block, never from an interpreter output; (ii) every block's
+sandbox status is 'ok' (error, timeout, memory, killed all fail); (iii) >= 3 code blocks;
+(iv) plan tokens / trajectory tokens < 0.5, with the teacher's tokenizer: the plan is the
+text before the first ```python fence, the denominator every completion token (model +
+interpreter output + final EOS), as the paper states the ratio over the whole trajectory.
+Prompt: executor.SYSTEM_PROMPT (byte-identical to what the student sees in the other
+stages), the exemplars of data/exemplars.jsonl as prior user / assistant turns (so each
+sits in the assistant role exactly as the teacher must write), then the problem, all
+through the teacher's own chat template.
+
+In:  --teacher (HF model directory or .gguf), --data problems JSONL {"id", "problem", "answer"}.
+Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share");
+     <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
+     <stem>.summary.json (counts and shares per rule, acceptance, means, args).
+Resumable: whole-line appends; a rerun skips every (id, sample_idx) in either file.
+
+    python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
+    torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
+    python distill.py --refresh-exemplars   # re-run the exemplar blocks, rewrite their outputs
+
+Departures from the paper:
+  1. A fifth rule, 'unfinished': finish_reason must be 'stop' (EOS), so text cut at a budget
+     is not learned. --allow-unfinished restores the paper's four rules.
+  2. The exemplars are this project's own three problems (the paper's are not released).
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+from datetime import timedelta
+
+import executor as ex
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
+
+# -----------------------------------------------------------------------------
+# Exemplars: data/exemplars.jsonl, one {"id", "problem", "answer", "completion"} a line
+
+# A block as the engine writes it: the code (ending in a newline), the closing fence the
+# model wrote, then the environment's "\n```output\n<output without trailing newlines>\n```\n".
+_BLOCK = re.compile(r"```python\n(.*?)```\n```output\n(.*?)\n```\n", re.S)
+
+
+def split_completion(completion: str):
+    """Split an exemplar into (plan, [(code, output), ...], final). The plan is the text
+    before the first fence and final the text after the last output block.
+    Raises ValueError when anything but blocks sits between the plan and the final text."""
+    blocks, pos = [], completion.find("```python\n")
+    if pos < 0:
+        raise ValueError("no ```python block")
+    plan = completion[:pos]
+    for m in _BLOCK.finditer(completion, pos):
+        if m.start() != pos:
+            raise ValueError(f"text between blocks at char {pos}: {completion[pos:m.start()][:60]!r}")
+        blocks.append((m.group(1), m.group(2)))
+        pos = m.end()
+    final = completion[pos:]
+    if "```" in final:
+        raise ValueError(f"unparsed block after char {pos}")
+    return plan, blocks, final
+
+
+def join_completion(plan: str, blocks, final: str) -> str:
+    """Inverse of split_completion, in the engine's exact format."""
+    return plan + "".join(f"```python\n{code}```\n```output\n{out}\n```\n" for code, out in blocks) + final
+
+
+def load_exemplars(path: str) -> list:
+    """Read and check the few-shot exemplars (each must parse as plan / blocks / box)."""
+    rows = ex.read_jsonl_tolerant(path)
+    for r in rows:
+        split_completion(r["completion"])
+    return rows
+
+
+def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
+    """Re-run every exemplar block in the sandbox and rewrite its output block with what
+    the sandbox printed (`output.rstrip("\\n")`, as the engine inserts it). Raises
+    ValueError if a block does not finish with status 'ok'."""
+    rows = ex.read_jsonl_tolerant(path)
+    with ex.Sandbox(workers=4, timeout=timeout) as sb:
+        for r in rows:
+            plan, blocks, final = split_completion(r["completion"])
+            results = sb.run_many([code for code, _ in blocks])
+            bad = [i for i, res in enumerate(results) if not res.ok]
+            if bad:
+                raise ValueError(f"{r['id']}: block {bad[0]} ended with {results[bad[0]].status}:\n"
+                                 f"{results[bad[0]].output}")
+            r["completion"] = join_completion(plan, [(c, res.output.rstrip("\n"))
+                                                     for (c, _), res in zip(blocks, results)], final)
+    ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def teacher_prompt_ids(tokenizer, problem: str, exemplars) -> list:
+    """The teacher's prompt: SYSTEM_PROMPT, the exemplars as prior turns, the problem."""
+    return ex.build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars])
+
+
+# -----------------------------------------------------------------------------
+# Filter: the paper's four rules (+ 'unfinished'), a pure function of one row
+
+def plan_share(record: dict) -> float:
+    """plan tokens / all completion tokens (model + output); 1.0 for an empty completion."""
+    return record["plan_tokens"] / record["completion_tokens"] if record["completion_tokens"] else 1.0
+
+
+def filter_reasons(record: dict, min_blocks: int = 3, max_plan_share: float = 0.5,
+                   require_stop: bool = True) -> list:
+    """Every rule the trajectory row fails, in RULES order; [] means keep.
+
+    record: a `sample_record` row (needs answer, pred, blocks, n_code_blocks, plan_tokens,
+        completion_tokens, finish_reason). pred is the model's own answer (the engine takes it
+        from the text after the last output block), so a box printed by code never counts.
+    min_blocks: rule (iii), at least this many executed blocks.
+    max_plan_share: rule (iv), plan_share must be strictly below it.
+    require_stop: departure 1, finish_reason must be 'stop'.
+    """
+    reasons = []
+    if not ex.grade(record["pred"], record["answer"]):
+        reasons.append("incorrect")
+    if any(b["status"] != "ok" for b in record["blocks"]):
+        reasons.append("exec_error")
+    if record["n_code_blocks"] < min_blocks:
+        reasons.append("few_blocks")
+    if plan_share(record) >= max_plan_share:
+        reasons.append("long_plan")
+    if require_stop and record["finish_reason"] != "stop":
+        reasons.append("unfinished")
+    return reasons
+
+
+def summarize(kept: list, rejected: list) -> dict:
+    """Counts and shares (over all trajectories) of each failed rule, acceptance rate, mean
+    blocks and mean plan share (all trajectories and kept ones), finish reasons."""
+    rows = kept + rejected
+    n = len(rows)
+
+    def mean(xs):
+        xs = list(xs)
+        return sum(xs) / len(xs) if xs else None
+
+    fails = {r: sum(r in row["reasons"] for row in rejected) for r in RULES}
+    finish = {}
+    for row in rows:
+        finish[row["finish_reason"]] = finish.get(row["finish_reason"], 0) + 1
+    return {
+        "trajectories": n, "kept": len(kept), "rejected": len(rejected),
+        "acceptance_rate": len(kept) / n if n else None,
+        "failed": {r: {"count": c, "share": c / n if n else None} for r, c in fails.items()},
+        "only_failed": {r: sum(row["reasons"] == [r] for row in rejected) for r in RULES},
+        "mean_blocks": mean(r["n_code_blocks"] for r in rows),
+        "mean_blocks_kept": mean(r["n_code_blocks"] for r in kept),
+        "mean_plan_share": mean(plan_share(r) for r in rows),
+        "mean_plan_share_kept": mean(plan_share(r) for r in kept),
+        "mean_completion_tokens": mean(r["completion_tokens"] for r in rows),
+        "finish_reasons": finish,
+    }
+
+
+# -----------------------------------------------------------------------------
+# Files: kept / rejected / summary beside --out, resume
+
+def sibling(out: str, suffix: str) -> str:
+    """runs/traj.jsonl + '.rejected.jsonl' -> runs/traj.rejected.jsonl"""
+    stem = out[:-len(".jsonl")] if out.endswith(".jsonl") else out
+    return stem + suffix
+
+
+def drop_torn_tail(path: str) -> int:
+    """Cut a last line that has no newline (a write interrupted by a kill), so that the
+    next append starts a fresh line. Returns the bytes removed."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data) - keep
+
+
+# -----------------------------------------------------------------------------
+# Setup: distributed init (ranks only share a barrier; no collective in the loop)
+
+def setup_distributed(seed: int):
+    """RANK / LOCAL_RANK / WORLD_SIZE from torchrun, or one process. Returns
+    (rank, world, device, barrier). gloo even on GPUs: the only collective is a barrier
+    before the summary, and ranks may reach it hours apart, hence the long timeout."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=timedelta(days=7))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(seed + rank)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    return rank, world, device, barrier
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
+    # data
+    p.add_argument("--teacher", help="teacher: Hugging Face model directory or .gguf file")
+    p.add_argument("--data", help="problems JSONL: one {id, problem, answer} per line")
+    p.add_argument("--out", help="kept trajectories JSONL; rejected / summary files go beside it")
+    p.add_argument("--exemplars", default=os.path.join(HERE, "data", "exemplars.jsonl"),
+                   help="few-shot exemplars JSONL (all of its rows are used)")
+    p.add_argument("--limit", type=int, default=0, help="use the first N problems only; 0 = all")
+    # sampling (paper: 1 sample per problem)
+    p.add_argument("--samples-per-problem", type=int, default=1, help="trajectories per problem")
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1.0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0, help="base seed; a batch's seed also depends on its first problem")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="problems per rollout call, per rank (x samples-per-problem sequences in memory)")
+    # budgets
+    p.add_argument("--max-context", type=int, default=32768,
+                   help="tokens, prompt (3 exemplars included) + completion; reaching it ends a sample")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="model tokens per sample; 0 = no limit")
+    p.add_argument("--max-tool-calls", type=int, default=40, help="executed blocks per sample")
+    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds, wall clock, per block")
+    p.add_argument("--sandbox-workers", type=int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    # filter
+    p.add_argument("--min-blocks", type=int, default=3, help="rule (iii): at least this many code blocks")
+    p.add_argument("--max-plan-share", type=float, default=0.5,
+                   help="rule (iv): plan tokens / completion tokens must be below this")
+    p.add_argument("--allow-unfinished", action="store_true",
+                   help="keep trajectories that ended by a budget (the paper's four rules only)")
+    # model
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16; default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--refresh-exemplars", action="store_true",
+                   help="only re-run the exemplar blocks and rewrite their output blocks, then exit")
+    args = p.parse_args(argv)
+    if not args.refresh_exemplars and not (args.teacher and args.data and args.out):
+        p.error("--teacher, --data and --out are required")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Main: shard, resume, rollout, filter, append
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.refresh_exemplars:
+        refresh_exemplars(args.exemplars, args.exec_timeout)
+        print(f"rewrote the output blocks of {args.exemplars}")
+        return
+    rank, world, device, barrier = setup_distributed(args.seed)
+
+    def print0(*a):
+        if rank == 0:
+            print(*a, flush=True)
+
+    out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
+    summary_path = sibling(args.out, ".summary.json")
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        for path in (out, rejected_path):
+            if cut := drop_torn_tail(path):
+                print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)
+    barrier()  # no rank reads or appends before the torn lines are gone
+
+    # 1) problems, exemplars, and what earlier runs already wrote
+    problems = ex.read_problems(args.data)
+    if args.limit:
+        problems = problems[:args.limit]
+    ids = [p["id"] for p in problems]
+    dup = [i for i, c in Counter(ids).items() if c > 1]
+    if dup:
+        raise ValueError(f"{args.data}: duplicate problem id {dup[0]!r} (resume keys on ids)")
+    exemplars = load_exemplars(args.exemplars)
+    k = args.samples_per_problem
+    done = {(r["id"], r["sample_idx"]) for path in (out, rejected_path)
+            for r in ex.read_jsonl_tolerant(path)}
+    # shard by position in the file (stable across resumes), then skip finished problems
+    mine = [(i, p) for i, p in enumerate(problems) if i % world == rank
+            and any((p["id"], j) not in done for j in range(k))]
+    n_todo = sum((p["id"], j) not in done for p in problems for j in range(k))
+    print0(f"problems {len(problems)} x {k} samples = {len(problems) * k} trajectories; "
+           f"{len(problems) * k - n_todo} done before, {n_todo} to sample on {world} rank(s); "
+           f"rank 0: {len(mine)} problems in {-(-len(mine) // args.batch_size)} batches of <= {args.batch_size}")
+
+    # 2) teacher and sandbox
+    model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
+    workers = args.sandbox_workers or max(1, (os.cpu_count() or 1) // world)
+    filt = dict(min_blocks=args.min_blocks, max_plan_share=args.max_plan_share,
+                require_stop=not args.allow_unfinished)
+    t0, n_new, n_kept = time.time(), 0, 0
+    with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+        for b in range(0, len(mine), args.batch_size):
+            batch = mine[b:b + args.batch_size]
+            # 3) rollout: one call per batch, no collective (ranks run at their own pace)
+            prompts = [teacher_prompt_ids(tokenizer, p["problem"], exemplars) for _, p in batch]
+            seed = args.seed * 1_000_003 + batch[0][0]
+            samples = ex.rollout(model, tokenizer, prompts, sandbox, n=k, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
+                                 max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
+                                 seed=seed)
+            # 4) filter; only samples not written before (a kill may split a batch's writes)
+            kept, rejected = [], []
+            for i, (_, p) in enumerate(batch):
+                for j in range(k):
+                    if (p["id"], j) in done:
+                        continue
+                    row = ex.sample_record(p, samples[i * k + j], tokenizer)
+                    row.update(sample_idx=j, plan_share=plan_share(row))
+                    reasons = filter_reasons(row, **filt)
+                    if reasons:
+                        rejected.append({**row, "reasons": reasons})
+                    else:
+                        kept.append(row)
+            # 5) whole-line appends: safe across ranks (O_APPEND) and against kills
+            ex.append_jsonl(out, kept)
+            ex.append_jsonl(rejected_path, rejected)
+            n_new, n_kept = n_new + len(kept) + len(rejected), n_kept + len(kept)
+            print(f"[rank {rank}] {b + len(batch)}/{len(mine)} problems, kept {n_kept}/{n_new}, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+
+    # 6) summary of both files (earlier runs included), by rank 0 once every rank is done
+    barrier()
+    if rank == 0:
+        summary = summarize(ex.read_jsonl_tolerant(out), ex.read_jsonl_tolerant(rejected_path))
+        summary["args"] = vars(args)
+        ex.write_json_atomic(summary_path, summary)
+        print(json.dumps({k_: v for k_, v in summary.items() if k_ != "args"}, indent=2))
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
