@@ -811,6 +811,7 @@ class _FenceScanner:
     def __init__(self):
         self.text, self.line_start, self.in_code = "", 0, False
         self.code_start = self.code_end = None  # the block's code: text[code_start:code_end]
+        self.open_at = None  # where the opening ```python line starts
 
     def feed(self, piece: str):
         """Append decoded text; return ('close' | 'fake_output', cut) where cut is the
@@ -827,6 +828,7 @@ class _FenceScanner:
                     return "fake_output", self.line_start
                 if nl >= 0 and line[3:nl].strip().lower() in _PY_LANGS:
                     self.in_code, self.code_start = True, self.line_start + nl + 1
+                    self.open_at = self.line_start
             elif len(line) < 3 and "```".startswith(line) and nl < 0:
                 return None  # maybe the start of a fence: wait for more text
             if nl < 0:
@@ -849,6 +851,9 @@ class Sample:
     blocks: one {"code", "output", "status"} per executed block.
     finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.
     pred: the answer extracted from the model's own text after its last output block.
+    plan_text, plan_tokens: the model text before its first ```python line (all of it if
+        there is none) and the number of sampled tokens that start inside it.
+    final_text: the model's own text after its last output block (where pred comes from).
     """
     prompt_ids: list
     ids: list
@@ -860,6 +865,7 @@ class Sample:
     pred: str | None = None
     seed: int = 0
     plan_text: str = ""
+    plan_tokens: int = 0
     final_text: str = ""
 
     @property
@@ -883,6 +889,7 @@ class _Row:
         self.blocks, self.tool_calls, self.n_model = [], 0, 0
         self.finish, self.code = None, None  # finish reason; code waiting to run
         self.plan_text = None
+        self.plan_tokens, self.starts = None, []  # model tokens of the plan; their char offsets
 
 
 def _pad_left(seqs, pad_id, device):
@@ -1027,7 +1034,12 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
     r.n_model += 1
     if t in stops:
         return finish(r, "stop")
+    if r.plan_tokens is None:
+        r.starts.append(len(r.scanner.text))
     hit = r.scanner.feed(piece(t))
+    if r.plan_tokens is None and r.scanner.open_at is not None:
+        # the plan is every model token that starts before the first ```python line
+        r.plan_tokens = sum(st < r.scanner.open_at for st in r.starts)
     if hit is not None:
         kind, cut = hit
         _trim_to_fence(r, cut, tokenizer)
@@ -1090,13 +1102,15 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
              if role == ROLE_MODEL and t not in stops]
     final_text = tokenizer.decode(final)
     text = tokenizer.decode(comp)
-    plan = r.plan_text
+    plan, plan_tokens = r.plan_text, r.plan_tokens
     if plan is None:  # no block ran: the plan is the text before the first fence, if any
         i = text.find("```")
         plan = text if i < 0 else text[:i]
+    if plan_tokens is None:  # no block opened: every model token is plan
+        plan_tokens = sum(role == ROLE_MODEL and t not in stops for t, role in zip(r.ids, r.roles))
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
-                  text=text, blocks=r.blocks, finish_reason=r.finish,
-                  pred=extract_answer(final_text), seed=seed, plan_text=plan, final_text=final_text)
+                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
+                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)
 
 
 # -----------------------------------------------------------------------------
@@ -1186,15 +1200,16 @@ def write_json_atomic(path: str, obj) -> None:
 def sample_record(problem: dict, sample, tokenizer) -> dict:
     """The trajectory / sample JSONL row of the design card: the problem's fields, then
     completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
-    completion_tokens (model + output tokens), model_tokens, plan_tokens (plan text
-    re-encoded with this tokenizer), blocks and the rollout seed."""
+    completion_tokens (model + output tokens), model_tokens, plan_tokens (sampled tokens
+    before the first ```python line), blocks and the rollout seed. `tokenizer` is unused
+    and kept for callers that pass it."""
     row = dict(problem)
     comp_tokens = len(sample.ids) - len(sample.prompt_ids)
     row.update(completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),
                finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
                n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
                completion_tokens=comp_tokens, model_tokens=sample.n_model_tokens,
-               plan_tokens=len(tokenizer.encode(sample.plan_text, add_special_tokens=False)),
+               plan_tokens=sample.plan_tokens,
                blocks=sample.blocks, seed=sample.seed)
     return row
 

@@ -244,6 +244,7 @@ def test_scripted_two_blocks_ids_roles_and_outputs(tokenizer, sandbox):
     assert [b["status"] for b in s.blocks] == ["ok", "ok"]
     assert s.pred == "3025" and s.finish_reason == "stop"
     assert s.plan_text == "Plan: sum, then square.\n"
+    assert s.plan_tokens == len(enc(tok, "Plan: sum, then square.\n"))
     assert s.final_text == "\\boxed{3025}"
     assert s.text == tok.decode(full[len(prompt):-1])
     assert all(math.isnan(lp) == (r != ex.ROLE_MODEL) for lp, r in zip(s.logprobs, s.roles))
