@@ -1,4 +1,5 @@
-"""Evaluate THINC samples: avg@k / pass@k / maj@k and the paper's trajectory diagnostics.
+"""Evaluate a THINC policy: k samples per problem, then avg@k / pass@k / maj@k and the
+paper's trajectory diagnostics (code-grounded answer rate, Recovery@k).
 
 Each problem is answered k times (paper: k = 16, temperature 0.6, top-p 1.0, 32K budget);
 sample j of every problem forms run j. Metrics, as the paper reports them:
@@ -11,12 +12,16 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
 plus per-trajectory code lines, code blocks, tool calls, execution errors, model tokens,
 plan tokens and plan share, prose written after the plan, and finish reasons.
 
-Reads: samples JSONL, one row per (problem, sample) as written by executor.sample_record
-(id, answer, pred, correct, finish_reason, n_code_blocks, n_exec_errors, completion,
-completion_tokens, model_tokens, plan_tokens, blocks [{code, output, status}],
-sample_idx, benchmark). Writes: metrics.json ({"args", "benchmarks": {name: metrics}})
-and metrics.md (markdown tables, also printed), next to samples.jsonl.
+Reads: a model (HF directory, .gguf, or a packaged name) and problems JSONL files
+({"id", "problem", "answer"}; the file stem names the benchmark). Writes, in --out:
+samples.rank{r}.jsonl while running (each rank appends its finished waves), then
+samples.jsonl (all ranks merged: the problem's fields and executor.sample_record's
+fields plus benchmark, sample_idx, seed, rollout_ids, rollout_n), metrics.json
+({"args", "benchmarks": {name: metrics}}), metrics.md (the tables, also printed) and
+args.json. A killed run restarted with the same command skips the samples already written.
 
+    python evaluate.py --model DIR --data aime24.jsonl aime25.jsonl --out runs/eval1
+    torchrun --standalone --nproc_per_node=8 evaluate.py --model DIR --data a.jsonl --out runs/eval1
     python evaluate.py --from-samples runs/eval1        # recompute every metric, no model
 
 Fractions are stored in [0, 1] in metrics.json and printed as percentages.
@@ -28,13 +33,19 @@ Departures from the paper (it does not define these details):
      different votes.
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
+  4. Sampling runs in waves of --batch-size problems x k samples, one rollout call (one
+     seeded generator) per wave; waves depend only on the data and --batch-size, never on
+     the number of ranks, so a sample is reproduced by rerunning its wave (its row names
+     the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
 import argparse
+import datetime
 import json
 import math
 import os
 import re
 import sys
+import time
 from collections import Counter, defaultdict
 from fractions import Fraction
 
@@ -436,20 +447,340 @@ def load_samples(path: str) -> list:
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="THINC evaluation metrics (avg@k, pass@k, maj@k, "
-                                "code-grounded rate, Recovery@k, trajectory diagnostics).")
-    p.add_argument("--from-samples", required=True, metavar="DIR",
-                   help="recompute every metric from DIR/samples.jsonl (no model); writes "
-                   "DIR/metrics.json and DIR/metrics.md")
+RANK_FILE = re.compile(r"samples\.rank\d+\.jsonl")   # a rank's samples while a run is in progress
+
+
+class InputError(Exception):
+    """A problem with the user's input (files, arguments, a run directory): main prints
+    the message as one line and exits with code 2."""
+
+
+def merged_samples(out_dir: str) -> dict:
+    """Every sample row found in out_dir: samples.jsonl (a finished run's merge) and
+    samples.rank*.jsonl (in-progress rows of any earlier world size), each read with
+    load_samples (a torn last line, from a killed write, is ignored). Returns
+    {(benchmark, id, sample_idx): row}; the same key in two files must hold the same row.
+
+    Raises:
+        InputError: a bad line, a row missing a field, or conflicting rows for one key.
+    """
+    names = sorted(n for n in os.listdir(out_dir) if RANK_FILE.fullmatch(n)) if os.path.isdir(out_dir) else []
+    rows, where = {}, {}
+    for name in ["samples.jsonl"] + names:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            file_rows = load_samples(path)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        for row in file_rows:
+            key = (row["benchmark"], row["id"], row["sample_idx"])
+            if key in rows and rows[key] != row:
+                raise InputError(f"{path}: sample {key} differs from the one in {where[key]} "
+                                 "(two runs wrote to this folder?)")
+            rows[key], where[key] = row, path
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+# arguments that change what a sample is: a run folder is only resumed with the same ones
+SAMPLING_ARGS = ("model", "dtype", "temperature", "top_p", "top_k", "max_context",
+                 "max_new_tokens", "max_tool_calls", "seed", "block_timeout")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, "
+                                "pass@k, maj@k, code-grounded rate, Recovery@k and trajectory "
+                                "diagnostics. Launch with python or torchrun.")
+    # model and data
+    p.add_argument("--model", default=None, help="policy: HF model dir, .gguf file or packaged "
+                   "model name (default: executor.DEFAULT_POLICY)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--data", nargs="+", metavar="JSONL", help="problems files, one benchmark each "
+                   "(named by the file stem)")
+    p.add_argument("--limit", type=int, default=0, help="first N problems of each file; 0 = all")
+    p.add_argument("--out", metavar="DIR", help="run folder (created; a folder holding a killed "
+                   "run of the same command is resumed)")
+    # sampling (paper defaults)
+    p.add_argument("--k", type=int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1.0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter; 0 = off")
+    p.add_argument("--max-context", type=int, default=32768,
+                   help="tokens of prompt + completion (model and interpreter output) per sample")
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="model-written tokens per sample; 0 = no limit beyond --max-context")
+    p.add_argument("--max-tool-calls", type=int, default=40, help="executed code blocks per sample")
+    p.add_argument("--seed", type=int, default=0, help="base seed; each wave's rollout seed is "
+                   "derived from it, the benchmark, the wave's problem ids and k")
+    # throughput
+    p.add_argument("--batch-size", type=int, default=4, help="problems per rollout call (a wave "
+                   "of batch-size x k sequences shares the KV cache, per rank); lower it if out "
+                   "of memory. Part of what makes a sample reproducible (see waves)")
+    p.add_argument("--sandbox-workers", type=int, default=0,
+                   help="code blocks run at once, per rank; 0 = CPUs / local ranks")
+    p.add_argument("--block-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
+    # no model
+    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
+                   "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
     args = p.parse_args(argv)
-    path = os.path.join(args.from_samples, "samples.jsonl")
-    metrics = summarize(load_samples(path))
+    if args.from_samples is None:
+        if not args.data or not args.out:
+            p.error("--data and --out are required (or --from-samples DIR)")
+        for name in ("k", "batch_size"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+        if args.limit < 0 or args.sandbox_workers < 0:
+            p.error("--limit and --sandbox-workers must be >= 0")
+        if args.model is None:
+            from executor import DEFAULT_POLICY
+            args.model = DEFAULT_POLICY
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Work: benchmarks, waves, resume
+
+
+def read_benchmarks(paths, limit: int) -> dict:
+    """{benchmark name (file stem): its problems (the first `limit`, 0 = all)}, in --data
+    order. Raises InputError naming the file (and line) for a missing file, a bad line, a
+    line without problem / answer, a duplicate problem id, or two files with one stem."""
+    from executor import read_problems
+    benches = {}
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name in benches:
+            raise InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
+        try:
+            problems = read_problems(path)
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such file") from None
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        if limit:
+            problems = problems[:limit]
+        if not problems:
+            raise InputError(f"{path}: no problems")
+        seen = set()
+        for prob in problems:
+            if prob["id"] in seen:
+                raise InputError(f"{path}: problem id {prob['id']!r} appears twice")
+            seen.add(prob["id"])
+        benches[name] = problems
+    return benches
+
+
+def wave_seed(seed: int, benchmark: str, ids, k: int) -> int:
+    """The rollout seed of one wave: a stable hash (not Python's salted hash()) of the base
+    seed, the benchmark, the wave's problem ids in order, and k."""
+    import hashlib
+    h = hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()
+    return int(h[:15], 16)
+
+
+def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
+    """Waves: each benchmark's problems cut, in file order, into chunks of batch_size; one
+    rollout call each. A wave is a dict (benchmark, problems, seed). The list depends only
+    on the data, --batch-size, k and seed (never on the number of ranks): rank r runs
+    waves w with w % world_size == r, all k samples of a problem in one call so that the
+    prompt is prefilled once."""
+    waves = []
+    for bench, problems in benches.items():
+        for s in range(0, len(problems), batch_size):
+            chunk = problems[s:s + batch_size]
+            waves.append(dict(benchmark=bench, problems=chunk,
+                              seed=wave_seed(seed, bench, [q["id"] for q in chunk], k)))
+    return waves
+
+
+def wave_keys(wave: dict, k: int) -> list:
+    """The wave's work items (benchmark, problem id, sample_idx), problem-major."""
+    return [(wave["benchmark"], q["id"], j) for q in wave["problems"] for j in range(k)]
+
+
+def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
+    """A run folder with samples is resumed only by a compatible command: the same
+    SAMPLING_ARGS as its args.json, and every saved sample one of this run's work items
+    (benchmark, id, sample_idx < k) made for the same problem and answer. Raises
+    InputError saying what differs."""
+    if not done:
+        return
+    saved_path = os.path.join(out_dir, "args.json")
+    if os.path.exists(saved_path):
+        with open(saved_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        for name in SAMPLING_ARGS:
+            if name in saved and saved[name] != getattr(args, name):
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"{out_dir} holds samples made with {flag} {saved[name]}, this run "
+                                 f"has {getattr(args, name)}: use another --out")
+    problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
+    outside = [key for key in done if key[:2] not in problems or not 0 <= key[2] < args.k]
+    if outside:
+        raise InputError(f"{out_dir} holds {len(outside)} samples outside this run's problems x "
+                         f"--k {args.k} (e.g. {outside[0]}): rerun with its --data / --limit / --k, "
+                         "or use another --out")
+    for key, row in done.items():
+        q = problems[key[:2]]
+        if row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
+            raise InputError(f"{out_dir}: sample {key} was made for another problem or answer than "
+                             "the data now has: use another --out")
+
+
+def drop_torn_tail(path: str) -> None:
+    """Cut a torn last line (a write killed midway) off a JSONL this rank appends to, so
+    that new lines do not follow a broken one."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+
+def write_report(out_dir: str, args_dict: dict) -> dict:
+    """Metrics of out_dir/samples.jsonl: writes metrics.json ({"args": args_dict,
+    "benchmarks"}) and metrics.md, prints the tables, warns when most samples of a
+    benchmark ended on a budget. The same function serves a run and --from-samples, so
+    both give identical metrics. Raises InputError for a bad or missing samples file."""
+    path = os.path.join(out_dir, "samples.jsonl")
+    try:
+        rows = load_samples(path)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if not rows:
+        raise InputError(f"{path}: no samples")
+    metrics = summarize(rows)
     table = markdown_table(metrics)
-    write_json_atomic(os.path.join(args.from_samples, "metrics.json"),
-                      {"args": vars(args), "benchmarks": metrics})
-    write_json_atomic(os.path.join(args.from_samples, "metrics.md"), table)
-    print(table)
+    write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
+    write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
+    print(table, flush=True)
+    for bench, m in metrics.items():
+        fr = m["finish_reasons"]
+        cut = fr.get("length", 0.0) + fr.get("tool_budget", 0.0)
+        if cut > 0.5:
+            print(f"WARNING: {bench}: {100 * cut:.0f}% of samples ended on a budget (length "
+                  f"{100 * fr.get('length', 0.0):.0f}%, tool_budget {100 * fr.get('tool_budget', 0.0):.0f}%): "
+                  "raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# Evaluation run
+
+
+def run(args) -> None:
+    """Sample k completions per problem on every rank's waves, append them as they finish,
+    then (rank 0) merge the ranks' files and write the report."""
+    # 1) inputs and resume state, checked before any process group exists so that every
+    #    rank fails the same clean way (all ranks read the same files; a rank only ever
+    #    appends to its own file, and only rows of its own waves, so what another rank
+    #    reads while this one writes cannot change its decisions)
+    import executor as ex
+    benches = read_benchmarks(args.data, args.limit)
+    waves = make_waves(benches, args.batch_size, args.k, args.seed)
+    done = merged_samples(args.out)
+    check_resume(args, args.out, done, benches)
+    if args.model not in ex.PACKAGED_MODELS and not os.path.exists(args.model):
+        raise InputError(f"{args.model}: no such model folder or file (nor a packaged model name)")
+
+    import torch.distributed as dist
+    from sft import cleanup_distributed, print0, setup_distributed
+
+    rank, local_rank, world, device = setup_distributed(args.seed)
+    try:
+        # the end-of-run barrier waits for the slowest rank: a CPU (gloo) group with a long
+        # timeout, since NCCL's default (10 min) is far shorter than rollout time differences
+        group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
+                 if dist.is_initialized() else None)
+        mine = [w for i, w in enumerate(waves) if i % world == rank]
+        todo = [w for w in mine if any(key not in done for key in wave_keys(w, args.k))]
+        n_items = sum(len(qs) for qs in benches.values()) * args.k
+        print0(f"{len(benches)} benchmarks, {n_items // args.k} problems x k {args.k} = {n_items} samples "
+               f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
+               f"waves w % {world} == r); {len(done)} samples already in {args.out}")
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
+
+        # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
+        #    No collective in here: ranks finish their waves at different times.
+        if todo:
+            my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
+            os.makedirs(args.out, exist_ok=True)
+            drop_torn_tail(my_file)
+            model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
+            workers = args.sandbox_workers or max(1, (os.cpu_count() or 1)
+                                                  // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            with ex.Sandbox(workers=workers, timeout=args.block_timeout) as sandbox:
+                for wi, w in enumerate(todo):
+                    t0 = time.time()
+                    prompts = [ex.build_prompt_ids(tok, q["problem"]) for q in w["problems"]]
+                    # the whole wave is rerun even when a resumed run lacks only some of its
+                    # samples: the same call (prompts, n, seed) reproduces the same samples
+                    samples = ex.rollout(
+                        model, tok, prompts, sandbox, n=args.k, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
+                        max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
+                        seed=w["seed"], progress=rank == 0 and sys.stderr.isatty())
+                    ids = [q["id"] for q in w["problems"]]
+                    rows = []
+                    for i, q in enumerate(w["problems"]):
+                        for j in range(args.k):
+                            if (w["benchmark"], q["id"], j) in done:
+                                continue
+                            row = ex.sample_record(q, samples[i * args.k + j], tok)  # seed = the call's
+                            row.update(benchmark=w["benchmark"], sample_idx=j, rollout_ids=ids,
+                                       rollout_n=args.k)
+                            rows.append(row)
+                    ex.append_jsonl(my_file, rows)
+                    print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
+                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s",
+                          flush=True)
+
+        # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
+        #    below), then removes them (a crash in between leaves identical duplicates, which
+        #    merged_samples accepts)
+        if group is not None:
+            dist.barrier(group=group)
+        if rank == 0:
+            rows = merged_samples(args.out)
+            order = {key: n for n, key in enumerate(key for w in waves for key in wave_keys(w, args.k))}
+            assert set(rows) == set(order), f"{len(set(order) - set(rows))} samples missing after the run"
+            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n"
+                           for key in sorted(rows, key=order.get))
+            write_json_atomic(os.path.join(args.out, "samples.jsonl"), text)
+            for name in os.listdir(args.out):
+                if RANK_FILE.fullmatch(name):
+                    os.remove(os.path.join(args.out, name))
+            write_report(args.out, vars(args))
+    finally:
+        cleanup_distributed()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.from_samples is not None:
+            write_report(args.from_samples, {"from_samples": args.from_samples})
+        else:
+            run(args)
+    except InputError as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

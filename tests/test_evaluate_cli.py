@@ -1,0 +1,166 @@
+"""evaluate.py as a command: a tiny model end to end (3 problems, k = 2), --from-samples,
+a killed run resumed, 2 ranks (torchrun, gloo) against 1, and clean input errors.
+
+The model runs in subprocesses (the real CLI); one single-process run is shared by the
+tests of this module. Sampling is at temperature 1.0: per-wave seeds, not greedy
+decoding, are what make 1 rank and 2 ranks agree.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import evaluate as ev
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "evaluate.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1")   # same kernels (and threads) in every run
+# 3 problems in 2 benchmarks, k = 2, 2 problems per wave: waves (b1: p1, p2) and (b2: q1)
+B1 = [{"id": "p1", "problem": "What is 1 + 1?", "answer": "2"},
+      {"id": "p2", "problem": "How many integers up to 100 are divisible by 3 or 5?", "answer": "47"}]
+B2 = [{"id": "q1", "problem": "Compute 1 + 2 + ... + 10.", "answer": "55"}]
+SAMPLING = ["--k", "2", "--temperature", "1.0", "--max-context", "600", "--max-new-tokens", "24",
+            "--max-tool-calls", "2", "--batch-size", "2", "--sandbox-workers", "1"]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _cli(data, out, model, launcher=(sys.executable,), timeout=120):
+    cmd = [*launcher, SCRIPT, "--model", model, "--data", *data, *SAMPLING, "--out", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def _benchmarks(out):
+    return json.loads((out / "metrics.json").read_text())["benchmarks"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_dir):
+    """One single-process run; returns (data paths, out dir, tiny model dir, stdout)."""
+    d = tmp_path_factory.mktemp("eval_data")
+    data = [_write_jsonl(d / "b1.jsonl", B1), _write_jsonl(d / "b2.jsonl", B2)]
+    out = tmp_path_factory.mktemp("eval_single")
+    r = _cli(data, out, tiny_dir)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return data, out, tiny_dir, r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_end_to_end_then_from_samples_gives_identical_metrics(single, tmp_path):
+    data, out, _, stdout = single
+    assert sorted(os.listdir(out)) == ["args.json", "metrics.json", "metrics.md", "samples.jsonl"]
+    rows = ev.load_samples(str(out / "samples.jsonl"))   # checks fields, no duplicate key
+    assert [(r["benchmark"], r["id"], r["sample_idx"]) for r in rows] == [
+        ("b1", "p1", 0), ("b1", "p1", 1), ("b1", "p2", 0), ("b1", "p2", 1), ("b2", "q1", 0), ("b2", "q1", 1)]
+    # each row names the rollout call that reproduces it
+    assert [r["rollout_ids"] for r in rows] == [["p1", "p2"]] * 4 + [["q1"]] * 2
+    assert all(r["rollout_n"] == 2 for r in rows)
+    assert rows[0]["seed"] == ev.wave_seed(0, "b1", ["p1", "p2"], 2) != rows[4]["seed"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["args"]["k"] == 2 and metrics["args"]["data"] == data
+    assert json.loads((out / "args.json").read_text()) == metrics["args"]
+    assert set(metrics["benchmarks"]) == {"b1", "b2"}
+    assert metrics["benchmarks"]["b1"]["n_samples"] == 4 and metrics["benchmarks"]["b2"]["k"] == 2
+    assert (out / "metrics.md").read_text().strip() in stdout
+    # recompute from the samples alone, in a copy
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "metrics.json").unlink()
+    assert ev.main(["--from-samples", str(copy)]) == 0
+    assert _benchmarks(copy) == metrics["benchmarks"]
+    assert (copy / "metrics.md").read_text() == (out / "metrics.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_killed_run_resumes_with_each_sample_once_and_identical(single, tmp_path):
+    """The folder a killed run leaves: this rank's file with a torn last line, a file from
+    an earlier 2-rank attempt, and a row already merged into samples.jsonl (a crash after
+    the merge). Both waves lack a sample, so both rerun whole and keep only what is
+    missing: the result equals the uninterrupted run byte for byte."""
+    data, out, model, _ = single
+    full = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    res = tmp_path / "resumed"
+    res.mkdir()
+    shutil.copy(out / "args.json", res / "args.json")
+    (res / "samples.rank0.jsonl").write_text(full[0] + full[1] + full[2] + full[4][:40])
+    (res / "samples.rank1.jsonl").write_text(full[5])
+    (res / "samples.jsonl").write_text(full[0])
+    r = _cli(data, res, model)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "4 samples already" in r.stdout
+    assert sorted(os.listdir(res)) == ["args.json", "metrics.json", "metrics.md", "samples.jsonl"]
+    assert (res / "samples.jsonl").read_text() == "".join(full)
+    assert _benchmarks(res) == _benchmarks(out)
+    # a rerun of a finished run samples nothing and changes nothing
+    r = _cli(data, res, model)
+    assert r.returncode == 0 and "6 samples already" in r.stdout and "] wave " not in r.stdout
+    assert (res / "samples.jsonl").read_text() == "".join(full)
+
+
+@pytest.mark.timeout(150)
+def test_two_ranks_gather_the_same_samples_and_metrics(single, tmp_path):
+    data, out, model, _ = single
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    r = _cli(data, tmp_path, model, launcher=launcher, timeout=140)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rank 0] wave 1/1 (b1" in r.stdout and "[rank 1] wave 1/1 (b2" in r.stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("samples.rank")]
+    assert (tmp_path / "samples.jsonl").read_text() == (out / "samples.jsonl").read_text()
+    assert _benchmarks(tmp_path) == _benchmarks(out)
+
+
+def test_waves_do_not_depend_on_ranks():
+    benches = {"a": [{"id": str(i)} for i in range(5)], "b": [{"id": "x"}]}
+    waves = ev.make_waves(benches, batch_size=2, k=3, seed=7)
+    assert [(w["benchmark"], [q["id"] for q in w["problems"]]) for w in waves] == [
+        ("a", ["0", "1"]), ("a", ["2", "3"]), ("a", ["4"]), ("b", ["x"])]
+    assert len({w["seed"] for w in waves}) == 4
+    assert ev.make_waves(benches, 2, 3, 7) == waves and ev.make_waves(benches, 2, 3, 8) != waves
+    assert ev.wave_keys(waves[2], 3) == [("a", "4", 0), ("a", "4", 1), ("a", "4", 2)]
+
+
+@pytest.mark.timeout(30)
+def test_bad_data_line_is_a_clean_one_line_error(tmp_path):
+    bad = tmp_path / "bench.jsonl"
+    bad.write_text(json.dumps(B1[0]) + "\n{not json\n")
+    r = subprocess.run([sys.executable, SCRIPT, "--model", "unused", "--data", str(bad),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=25,
+                       env=ENV, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"evaluate.py: error: {bad}:2: not valid JSON "
+                                             "(Expecting property name enclosed in double quotes)"]
+
+
+@pytest.mark.timeout(30)
+def test_input_and_resume_errors_exit_2_before_any_model(single, tmp_path, capsys):
+    data, out, _, _ = single
+
+    def error(*argv):
+        assert ev.main(list(argv)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("evaluate.py: error: ")
+        return err[0]
+
+    base = ["--model", "no/such/model", "--out", str(tmp_path / "o")]
+    assert f"{tmp_path / 'missing.jsonl'}: no such file" in error(*base, "--data", str(tmp_path / "missing.jsonl"))
+    no_answer = _write_jsonl(tmp_path / "x.jsonl", [{"id": "1", "problem": "?"}])
+    assert f"{no_answer}:1: missing field 'answer'" in error(*base, "--data", no_answer)
+    dup = _write_jsonl(tmp_path / "d.jsonl", [B1[0], B1[0]])
+    assert "problem id 'p1' appears twice" in error(*base, "--data", dup)
+    assert "no/such/model: no such model" in error(*base, "--data", data[0])
+    # a run folder is resumed only by a compatible command
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    run = ["--model", single[2], "--data", *data, *SAMPLING, "--out", str(copy)]
+    assert "--temperature 1.0, this run has 0.5" in error(*run, "--temperature", "0.5")
+    assert "2 samples outside this run's problems" in error(*run, "--limit", "1")
+    with open(copy / "samples.jsonl", "a") as f:
+        f.write("{bad\n")
+    assert f"{copy / 'samples.jsonl'}:7: not valid JSON" in error(*run)
+    assert f"{tmp_path}/none/samples.jsonl: no such file" in error("--from-samples", str(tmp_path / "none"))
