@@ -46,6 +46,7 @@ from fractions import Fraction
 # Sandbox: a fork server of pre-imported workers
 
 SANDBOX_STATUSES = ("ok", "error", "timeout", "memory", "killed")
+MAX_BLOCK_PROCS = 64  # processes one block may hold at once (see _read_block)
 
 
 class SandboxError(RuntimeError):
@@ -70,6 +71,9 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+_SANDBOX_FILE = "<thinc-sandbox>"  # the template's code runs under this file name
 
 
 def _template_main(slot_fds, preimports):  # runs in the template process, stdlib only
@@ -126,8 +130,6 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
                 resource.setrlimit(lim, (val, val))
             except (ValueError, OSError):
                 pass
-        if os.geteuid() == 0:
-            _drop_root_caps()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.SIG_IGN)
@@ -136,22 +138,27 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
         os.set_inheritable(status_w, False)
         _run_block(req["code"], status_w)
 
-    def _drop_root_caps():
-        # Root ignores RLIMIT_NPROC while it holds CAP_SYS_ADMIN / CAP_SYS_RESOURCE, so a
-        # fork bomb would not fail fast. Drop them from the bounding set and from the
-        # effective / permitted / inheritable sets (capset, header version 3).
-        libc = ctypes.CDLL(None, use_errno=True)
-        for cap in (21, 24):
-            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-        hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)
-        data = (ctypes.c_uint32 * 6)()
-        if libc.capget(hdr, data) == 0:
-            keep = ~((1 << 21) | (1 << 24)) & 0xFFFFFFFF
-            for i in range(0, 6, 3):
-                mask = keep if i == 0 else 0xFFFFFFFF
-                for j in range(3):
-                    data[i + j] &= mask
-            libc.capset(hdr, data)
+    def _kill_strays():
+        # Orphans of blocks are reparented here (subreaper). One whose process group is not
+        # a running block's left its block's session (setsid, start_new_session=True) and
+        # so escaped the caller's killpg: kill its group now that a block has ended.
+        me = os.getpid()
+        try:
+            with open(f"/proc/{me}/task/{me}/children") as f:
+                kids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        groups = set()
+        for kid in kids:
+            try:
+                groups.add(os.getpgid(kid))
+            except OSError:
+                pass
+        for pgid in groups - set(running) - {me}:  # once per group: a bomb leaves thousands
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def _run_block(code, status_w):
         import io
@@ -194,7 +201,17 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
             tb = e.__traceback__
             while tb is not None and tb.tb_frame.f_code.co_filename != fname:
                 tb = tb.tb_next
-            traceback.print_exception(type(e), e, tb if not isinstance(e, SyntaxError) else None)
+            te = traceback.TracebackException(type(e), e, tb if not isinstance(e, SyntaxError) else None)
+            seen, todo = set(), [te]
+            while todo:  # drop the sandbox's own frames (e.g. NoStdin.read) from every link
+                t = todo.pop()
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                t.stack = traceback.StackSummary.from_list(
+                    [f for f in t.stack if f.filename != _SANDBOX_FILE])
+                todo += [t.__cause__, t.__context__]
+            stream.write("".join(te.format()))
             kind = {"KeyboardInterrupt": "timeout", "MemoryError": "memory"}.get(type(e).__name__, "error")
             finish(kind, type(e).__name__)
         finish("ok")
@@ -231,6 +248,7 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
                 break
             s = running.pop(pid, None)
             if s is not None:
+                _kill_strays()
                 s.sendall(json.dumps({"exit": status}).encode() + b"\n")
 
 
@@ -283,6 +301,8 @@ class Sandbox:
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._lock = threading.Lock()
         self._proc = None
+        self._closed = False
+        self._running = set()  # pids (= process groups) of the blocks running now
         self._generation = 0
         self._start()
 
@@ -292,7 +312,9 @@ class Sandbox:
                              for _ in range(self.workers)))
         src = inspect.getsource(_template_main)
         fds = [s.fileno() for s in theirs]
-        cmd = [self.python, "-I", "-c", f"{src}\n_template_main({fds!r}, {list(self.PREIMPORTS)!r})"]
+        boot = (f"_SANDBOX_FILE = {_SANDBOX_FILE!r}\nexec(compile({src!r}, _SANDBOX_FILE, 'exec'))\n"
+                f"_template_main({fds!r}, {list(self.PREIMPORTS)!r})")
+        cmd = [self.python, "-I", "-c", boot]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
@@ -315,8 +337,9 @@ class Sandbox:
                 s.close()
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err.strip()}")
         proc.stderr.close()
-        # Blocks as root: RLIMIT_NPROC counts every process of the user, so the limit is
-        # what is running now plus headroom for the blocks themselves.
+        # RLIMIT_NPROC counts every process of the user, so the limit is what is running
+        # now plus headroom for the blocks. The kernel never applies it to root in the
+        # initial user namespace: there _read_block counts the block's group instead.
         self._nproc = _count_user_processes() + 64 * self.workers
         self._proc = proc
         self._slots = queue.Queue()
@@ -326,6 +349,8 @@ class Sandbox:
 
     def _restart(self, generation):
         with self._lock:
+            if self._closed:
+                raise SandboxError("sandbox was closed while a block ran")
             if generation != self._generation:  # another thread already restarted it
                 return
             self._stop()
@@ -336,6 +361,8 @@ class Sandbox:
             return
         while not self._slots.empty():
             self._slots.get_nowait().close()
+        for pid in list(self._running):  # blocks are in their own sessions: kill them too
+            _signal_group(pid, signal.SIGKILL)
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -346,6 +373,7 @@ class Sandbox:
     def close(self):
         """Stop the template and every worker. Idempotent."""
         with self._lock:
+            self._closed = True
             self._stop()
 
     def __enter__(self):
@@ -366,7 +394,7 @@ class Sandbox:
         Thread-safe. Raises SandboxError if the sandbox itself fails twice in a row."""
         for attempt in range(2):
             generation = self._generation
-            if self._proc is None:
+            if self._closed or self._proc is None:
                 raise SandboxError("sandbox is closed")
             slot = self._slots.get()
             try:
@@ -429,8 +457,15 @@ class Sandbox:
             os.close(st_w)
             out_w = st_w = None
             pid = _recv_json(slot, 10)["pid"]
-            capture, exit_status, timed_out = _read_block(out_r, slot, pid, self.timeout,
-                                                          self.max_output_chars)
+            self._running.add(pid)
+            try:
+                capture, exit_status, timed_out, too_many = _read_block(
+                    out_r, slot, pid, self.timeout, self.max_output_chars)
+            except _TemplateDied:  # the block is in its own session: it would outlive the template
+                _signal_group(pid, signal.SIGKILL)
+                raise
+            finally:
+                self._running.discard(pid)
             os.set_blocking(st_r, False)
             try:
                 status_msg = os.read(st_r, 4096)
@@ -442,7 +477,7 @@ class Sandbox:
                     os.close(fd)
             shutil.rmtree(cwd, ignore_errors=True)
         info = json.loads(status_msg) if status_msg else None
-        note, status = _describe(info, exit_status, timed_out, self.timeout)
+        note, status = _describe(info, exit_status, timed_out, self.timeout, too_many)
         return ExecResult(output=_join_output(capture, note, self.max_output_chars),
                           status=status, seconds=time.monotonic() - t0)
 
@@ -489,14 +524,43 @@ class _HeadTail:
         return (self.head + tail).decode("utf-8", "replace")
 
 
-def _read_block(out_r, slot, pid, timeout, max_chars):
+def _group_size(pgid, limit):
+    """Processes in process group pgid, counting stops past limit."""
+    n = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                st = f.read()
+        except OSError:
+            continue
+        if int(st[st.rfind(b")") + 2:].split()[2]) == pgid:
+            n += 1
+            if n > limit:
+                break
+    return n
+
+
+def _read_block(out_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS):
     """Read a running block's output until it exits (or the deadline), with bounded memory.
-    Returns (capture, wait status or None, timed_out)."""
+    Returns (capture, wait status or None, timed_out, too_many_procs)."""
     capture = _HeadTail(max(64, max_chars))  # bytes; trimmed to characters later
     deadline = time.monotonic() + timeout
     exit_status, timed_out, interrupted, out_open = None, False, False, True
+    # Root (uid 0 of the init user namespace) is exempt from RLIMIT_NPROC whatever its
+    # capabilities, so there a fork bomb is stopped here: the block's group is counted
+    # every 0.1 s and killed when it holds more than max_procs processes.
+    count_every = 0.1 if os.geteuid() == 0 else None
+    next_count, too_many = time.monotonic() + (count_every or 0), False
     while exit_status is None:
         now = time.monotonic()
+        if count_every and not interrupted and now >= next_count:
+            next_count = now + count_every
+            if _group_size(pid, max_procs) > max_procs:
+                too_many = interrupted = True
+                _signal_group(pid, signal.SIGKILL)
+                deadline = now + 0.05
         if now >= deadline:
             if not interrupted:
                 # First a KeyboardInterrupt, so the traceback shows the line it was stuck on;
@@ -505,10 +569,13 @@ def _read_block(out_r, slot, pid, timeout, max_chars):
                 _signal_group(pid, signal.SIGINT)
                 deadline = now + 0.5
             else:
+                # A fork bomb's processes forked while the kill was delivered escape it and
+                # keep the machine busy: kill the group again every 50 ms until it is gone.
                 _signal_group(pid, signal.SIGKILL)
-                deadline = now + 5
+                deadline = now + 0.05
         fds = ([out_r] if out_open else []) + [slot]
-        ready, _, _ = select.select(fds, [], [], max(0.0, deadline - time.monotonic()))
+        wake = deadline if interrupted or not count_every else min(deadline, next_count)
+        ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
         if out_r in ready:
             data = os.read(out_r, 1 << 16)
             if data:
@@ -543,7 +610,7 @@ def _read_block(out_r, slot, pid, timeout, max_chars):
         if not data:
             break
         capture.add(data)
-    return capture, exit_status, timed_out
+    return capture, exit_status, timed_out, too_many
 
 
 def _signal_group(pid, sig):
@@ -553,10 +620,13 @@ def _signal_group(pid, sig):
         pass
 
 
-def _describe(info, exit_status, timed_out, timeout):
+def _describe(info, exit_status, timed_out, timeout, too_many=False):
     """The status of a finished block and a last line that says, in words a model can act
     on, why it stopped (empty for a normal finish). Returns (note, status)."""
     kind = info["kind"] if info else None
+    if too_many:
+        return (f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes "
+                "(a fork bomb?).", "killed")
     if timed_out:
         return f"TimeoutError: the block ran longer than {timeout:g} s and was stopped.", "timeout"
     if kind == "ok":
@@ -588,8 +658,9 @@ def _join_output(capture, note, max_chars):
     half = max_chars // 2
     text = capture.text()
     if isinstance(text, tuple):  # cut while reading: sizes are in bytes
-        head, tail = text
-        body = f"{head[:half]}\n... [{capture.cut} bytes of output cut] ...\n{tail[-half:]}"
+        head, tail = text[0][:half], text[1][-half:]
+        cut = capture.total - len(head.encode()) - len(tail.encode())
+        body = f"{head}\n... [{cut} bytes of output cut] ...\n{tail}"
     elif len(text) > max_chars:
         body = f"{text[:half]}\n... [{len(text) - 2 * half} characters of output cut] ...\n{text[-half:]}"
     else:
