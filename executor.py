@@ -788,6 +788,21 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     return model.to(device).eval(), tokenizer
 
 
+def prompt_messages(problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> list:
+    """The chat messages of a prompt: the system message, each (problem, completion)
+    few-shot pair as prior user / assistant turns, then the problem."""
+    msgs = [{"role": "system", "content": system}]
+    for q, a in fewshot:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": problem}]
+
+
+def output_block(output: str, lead: str = "\n") -> str:
+    """The text the environment appends after a closed python block: `lead` (a newline
+    unless the model's text already ends with one), then the output in an ```output block."""
+    return f"{lead}```output\n{output.rstrip(chr(10))}\n```\n"
+
+
 def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT,
                      **template_kwargs) -> list[int]:
     """Token ids of the prompt, built with the tokenizer's own chat template: the system
@@ -795,10 +810,7 @@ def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_P
     turns, then the problem, then the assistant header (generation prompt).
     template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
     thinking block would otherwise precede the plan)."""
-    msgs = [{"role": "system", "content": system}]
-    for q, a in fewshot:
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    msgs.append({"role": "user", "content": problem})
+    msgs = prompt_messages(problem, fewshot, system)
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_kwargs)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -1153,8 +1165,7 @@ def _run_pending(batch_rows, sandbox, tokenizer, max_context, finish):
         if r.plan_text is None:
             r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
         lead = "" if r.scanner.text.endswith("\n") else "\n"
-        chunk = tokenizer.encode(f"{lead}```output\n{res.output.rstrip(chr(10))}\n```\n",
-                                 add_special_tokens=False)
+        chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
         if len(r.ids) + len(chunk) >= max_context:
             finish(r, "length")
             continue

@@ -1,0 +1,728 @@
+"""GRPO for THINC: sample G code-interleaved trajectories per problem, reward the correct
+ones, and move the policy towards them with DAPO's token-level clipped objective.
+
+Objective (paper Sec. 3.3: GRPO, DAPO token-level normalisation and clip-higher, no KL):
+
+    J = 1/N sum_i sum_{t: model token of o_i} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
+    r_it = pi(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t),   A_i = (R_i - mean_G R) / std_G R
+    R_i = 1[answer_i = ground truth]
+
+N counts the model-written tokens of the optimizer step over all ranks and micro-batches;
+prompt, interpreter-output and padding tokens are never in the loss. pi_old is the
+trainer's own forward before the step's first update (ratio exactly 1 with one update).
+
+Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
+Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
+optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
+(a line per prompt per step: step, id, n, correct, reward), args.json.
+
+    python grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
+    torchrun --standalone --nproc_per_node=8 grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
+
+Departures from the paper (which does not describe these details):
+  1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged);
+     --dynamic-sampling (DAPO) draws more prompts and keeps surplus groups.
+  2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
+  3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
+     bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
+"""
+import argparse
+import copy
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import executor
+from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
+from sft import (cleanup_distributed, collate, grad_sync, print0, save_checkpoint, load_trainer_state,
+                 setup_distributed, token_logprobs, unwrap_model, wrap_model)
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient on "
+                                "code-interleaved rollouts (interpreter outputs masked).")
+    # model and data
+    p.add_argument("--model", default=executor.DEFAULT_POLICY,
+                   help="policy to start from: HF model dir, .gguf file or packaged model name "
+                   "(default: the packaged Qwen2.5-Coder-0.5B); ignored with --resume")
+    p.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                                                  "demo_problems.jsonl"),
+                   help="problems JSONL: id, problem, answer (default: the 16 demo problems in data/)")
+    p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint dir (out/latest or out/step_N) to continue from: weights, optimizer, "
+                   "step counter, data position, RNG; the flags given now (budgets, --steps) apply")
+    p.add_argument("--reset-optimizer", action="store_true",
+                   help="with --resume: start the optimizer and data order fresh (weights and step kept)")
+    p.add_argument("--drop-solved", default=None,
+                   help="pass-rate JSONL of an earlier stage: drop prompts whose latest record is G/G")
+    # GRPO
+    p.add_argument("--steps", type=int, default=280, help="last step to run (a global counter that "
+                   "--resume continues): stage 1 280, stage 2 400, stage 3 >= 500")
+    p.add_argument("--prompts-per-step", type=int, default=128, help="prompts per step, across all ranks")
+    p.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
+    p.add_argument("--updates-per-step", type=int, default=1,
+                   help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
+    p.add_argument("--eps-low", type=float, default=0.20, help="clip: ratio >= 1 - eps_low")
+    p.add_argument("--eps-high", type=float, default=0.28, help="clip: ratio <= 1 + eps_high")
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="draw more prompts until --prompts-per-step groups have reward variance (DAPO)")
+    p.add_argument("--max-sampling-rounds", type=int, default=4,
+                   help="with --dynamic-sampling: rollout rounds per step, at most")
+    # rollout
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, also used in the loss")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--max-context", type=int, default=16384, help="tokens per sample, prompt + completion")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="model tokens per sample; 0 = only --max-context")
+    p.add_argument("--max-tool-calls", type=int, default=20, help="executed code blocks per sample")
+    p.add_argument("--rollout-prompts", type=int, default=4,
+                   help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
+    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
+    p.add_argument("--exec-workers", type=int, default=0, help="sandbox processes per rank; 0 = CPUs / local ranks")
+    # optimisation
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--chunk-size", type=int, default=1024, help="positions per lm_head / log-softmax chunk")
+    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
+    # run
+    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
+    p.add_argument("--save-every", type=int, default=1, help="steps between writes of out/latest (a crash "
+                   "loses at most this many steps); 0 = only at the end")
+    p.add_argument("--keep-every", type=int, default=20, help="steps between kept out/step_N copies; 0 = none")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Dist:
+    """Where this process sits (from `sft.setup_distributed`)."""
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    autocast_dtype: torch.dtype | None = None  # bf16 on CUDA unless --fp32
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+def solved_ids(path: str) -> set:
+    """Ids whose latest record in a pass-rate JSONL was solved n / n."""
+    latest = {}
+    for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
+        if not {"id", "n", "correct"} <= set(r):
+            raise ValueError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
+        latest[str(r["id"])] = r["correct"] == r["n"]
+    return {k for k, v in latest.items() if v}
+
+
+def _ids_fingerprint(problems) -> str:
+    import hashlib
+    return hashlib.sha256("\n".join(str(p["id"]) for p in problems).encode()).hexdigest()[:16]
+
+
+class PromptStream:
+    """The order problems are drawn in: a permutation of the list seeded by (seed, epoch).
+    Every rank walks the same order and takes its own contiguous slice of each global
+    batch, so rank shards are disjoint. State (epoch, offset, fingerprint of the id list)
+    goes into checkpoints."""
+
+    def __init__(self, problems, seed: int, rank: int = 0, world_size: int = 1):
+        assert problems, "no problems to draw from"
+        self.problems, self.seed, self.rank, self.world = problems, seed, rank, world_size
+        self.epoch, self.offset = 0, 0
+        self.fingerprint = _ids_fingerprint(problems)
+        self._order = self._perm(0)
+
+    def _perm(self, epoch):
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self, n_global: int) -> list:
+        """This rank's share (n_global / world_size problems) of the next global batch."""
+        assert n_global % self.world == 0, (n_global, self.world)
+        batch = []
+        while len(batch) < n_global:
+            if self.offset == len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._perm(self.epoch)
+            take = min(n_global - len(batch), len(self._order) - self.offset)
+            batch += self._order[self.offset:self.offset + take]
+            self.offset += take
+        per = n_global // self.world
+        return [self.problems[i] for i in batch[self.rank * per:(self.rank + 1) * per]]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state):
+        """Continue where a checkpoint stopped. A different problem list (another file, or
+        --drop-solved) cannot continue a permutation: it starts a fresh one at epoch + 1."""
+        if state["fingerprint"] == self.fingerprint:
+            self.epoch, self.offset = state["epoch"], state["offset"]
+        else:
+            print0(f"problem list differs from the checkpoint's: new order from epoch {state['epoch'] + 1}")
+            self.epoch, self.offset = state["epoch"] + 1, 0
+        self._order = self._perm(self.epoch)
+
+
+# -----------------------------------------------------------------------------
+# Rewards and advantages
+
+
+def is_correct(sample, problem) -> bool:
+    """The answer in the model's own text equals the gold answer. `sample.pred` comes from
+    model-written tokens only, so an output block printing \\boxed{...} earns nothing (L7)."""
+    return bool(sample.pred is not None and executor.grade(sample.pred, str(problem["answer"])))
+
+
+def answer_reward(sample, problem) -> float:
+    """The paper's reward: 1[answer = ground truth]."""
+    return float(is_correct(sample, problem))
+
+
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) rewards -> (N / G,) bool: groups whose rewards are all equal (no signal)."""
+    r = rewards.reshape(-1, group_size)  # (N/G, G)
+    if r.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    return r.max(dim=1).values == r.min(dim=1).values
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO advantages A_i = (r_i - mean_group) / std_group, unbiased std.
+
+    Args:
+        rewards: (N,) float, N = groups * group_size, each group contiguous.
+        group_size: G.
+    Returns:
+        (N,) float32. A group whose rewards are all equal, and any group of size 1, gets
+        exactly 0, never NaN or inf: equality is tested directly, not through a small std.
+        Example: [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5].
+    """
+    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
+    if group_size == 1:
+        return torch.zeros(rewards.shape, dtype=torch.float32)
+    r = rewards.to(torch.float64).reshape(-1, group_size)  # (N/G, G)
+    const = constant_groups(rewards, group_size)[:, None]  # (N/G, 1)
+    mean = r.mean(dim=1, keepdim=True)  # (N/G, 1)
+    std = r.std(dim=1, unbiased=True, keepdim=True)  # (N/G, 1)
+    std = torch.where(const, torch.ones_like(std), std)  # no 0 / 0 anywhere
+    adv = torch.where(const, torch.zeros_like(r), (r - mean) / std)  # (N/G, G)
+    return adv.reshape(-1).to(torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# Loss
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                loss_mask: torch.Tensor, eps_low: float = 0.20, eps_high: float = 0.28,
+                normalizer=None, entropy: torch.Tensor | None = None):
+    """Clipped surrogate with token-level (DAPO) aggregation:
+
+        loss = sum_{b,t: mask} -min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b) / normalizer
+        r = exp(clamp(logprobs - old_logprobs, -20, 20))
+
+    Args:
+        logprobs: (B, T) the current policy's logprob of each token (with grad).
+        old_logprobs: (B, T) the same under pi_old. Any value, NaN included, where the mask
+            is False: it is selected away with torch.where, never multiplied by 0.
+        advantages: (B,) one per sequence.
+        loss_mask: (B, T) bool, True at model-written tokens.
+        eps_low, eps_high: asymmetric clip range (clip-higher).
+        normalizer: the masked sum is divided by it: the number of loss tokens of the whole
+            optimizer step (all micro-batches, all ranks), so that the sum over micro-steps and
+            ranks is exactly the token mean. None = this call's own token count.
+        entropy: (B, T) per-token entropy, for the metric only (there is no bonus term).
+    Returns:
+        loss: 0-dim tensor.
+        metrics: 0-dim detached tensors, means over the masked tokens: clip_frac_low (r <
+            1 - eps_low with A < 0), clip_frac_high (r > 1 + eps_high with A > 0) - the two
+            regions where the gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of
+            KL(pi_old || pi)), entropy (if given); and tokens (the count).
+    """
+    assert logprobs.dim() == 2 and logprobs.shape == old_logprobs.shape == loss_mask.shape, \
+        (logprobs.shape, old_logprobs.shape, loss_mask.shape)
+    assert advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0], (advantages.shape, logprobs.shape)
+    mask = loss_mask.bool()  # (B, T)
+    old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs.detach())  # (B, T), NaN-free
+    log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1), broadcast over T on purpose
+    surr = ratio * adv  # (B, T)
+    surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
+    per_token = torch.where(mask, -torch.minimum(surr, surr_clipped), torch.zeros_like(surr))  # (B, T)
+    n_tokens = mask.sum()
+    if normalizer is None:
+        normalizer = n_tokens.clamp(min=1)
+    loss = per_token.sum() / normalizer
+
+    with torch.no_grad():
+        denom = n_tokens.clamp(min=1).float()
+        low = mask & (ratio < 1.0 - eps_low) & (adv < 0)  # (B, T)
+        high = mask & (ratio > 1.0 + eps_high) & (adv > 0)  # (B, T)
+        k3 = torch.where(mask, (ratio - 1.0) - log_ratio, torch.zeros_like(ratio)).float()  # (B, T)
+        metrics = {"clip_frac_low": low.sum().float() / denom, "clip_frac_high": high.sum().float() / denom,
+                   "approx_kl": k3.sum() / denom, "tokens": n_tokens.float()}
+        if entropy is not None:
+            metrics["entropy"] = torch.where(mask, entropy.float(), torch.zeros_like(k3)).sum() / denom
+    return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# Batching: the engine's ids and roles, never re-tokenized
+
+
+def make_batch(samples, advantages, pad_id: int = 0) -> dict:
+    """Right-pad samples into training tensors (CPU), in the layout of `sft.token_logprobs`
+    (position t holds token t and the logprob of predicting it).
+
+    Args:
+        samples: executor `Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
+        advantages: (B,) one per sample.
+    Returns dict of (B, T) input_ids, attention_mask (from lengths, never from pad ids),
+        position_ids, roles; loss_mask (B, T) bool = roles == ROLE_MODEL; sampler_logprobs
+        (B, T) (NaN off model tokens); advantages (B,) float32.
+    """
+    for s in samples:
+        assert len(s.ids) == len(s.roles) == len(s.logprobs), "ids, roles and logprobs must align"
+    mb = collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
+    B, T = mb["input_ids"].shape
+    slp = torch.full((B, T), float("nan"))  # (B, T)
+    for b, s in enumerate(samples):
+        slp[b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    mb["loss_mask"] = mb["roles"] == ROLE_MODEL  # (B, T)
+    mb["sampler_logprobs"] = slp
+    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(B)  # (B,)
+    return mb
+
+
+def dummy_batch(pad_id: int = 0) -> dict:
+    """One 2-token sequence with no loss token. A rank with fewer micro-batches than another
+    runs these so that every rank does the same forwards and backwards: DDP's gradient
+    all-reduce and FSDP's gathers are collectives inside them (case D3)."""
+    mb = collate([{"ids": [pad_id, pad_id], "roles": [ROLE_PROMPT, ROLE_PROMPT]}], pad_id)
+    mb.update(loss_mask=torch.zeros((1, 2), dtype=torch.bool), sampler_logprobs=torch.full((1, 2), float("nan")),
+              advantages=torch.zeros(1))
+    return mb
+
+
+def split_even(items, k: int) -> list:
+    """k contiguous chunks whose sizes differ by at most one (some may be empty)."""
+    q, r = divmod(len(items), k)
+    out, i = [], 0
+    for j in range(k):
+        n = q + (j < r)
+        out.append(items[i:i + n])
+        i += n
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Rollout
+
+
+class _TimedSandbox:
+    """Delegates to a Sandbox and adds up the wall time of its run_many calls, so that a
+    step's time splits into generation and execution."""
+
+    def __init__(self, sandbox):
+        self.sandbox, self.seconds = sandbox, 0.0
+
+    def run_many(self, codes):
+        t0 = time.perf_counter()
+        try:
+            return self.sandbox.run_many(codes)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def run(self, code):
+        return self.run_many([code])[0]
+
+
+def mix_seed(*xs) -> int:
+    """A deterministic seed from integers (step, rank, round, ...): resuming at a step
+    reproduces its rollouts without saving generator states."""
+    h = 0
+    for x in xs:
+        h = (h * 1_000_003 + int(x) + 1) % (2 ** 61 - 1)
+    return h
+
+
+def sync_policy(model, policy):
+    """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
+    calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
+    lm = unwrap_model(model)
+    if any(type(p).__name__ == "DTensor" for p in lm.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        sd = {k.removeprefix("lm."): v for k, v in sd.items()}
+    else:
+        sd = lm.state_dict()
+    with torch.no_grad():
+        for name, t in policy.state_dict().items():
+            if name in sd:
+                t.copy_(sd[name])
+
+
+def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=rollout):
+    """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
+    --rollout-prompts prompts, longest prompts first. Returns (samples, exec seconds)."""
+    timed = _TimedSandbox(sandbox)
+    prompts = [build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    wave = args.rollout_prompts or max(1, len(prompts))
+    G = args.group_size
+    out = [None] * (len(prompts) * G)
+    was_training = policy.training  # the policy may be the trained module itself
+    policy.eval()
+    for w in range(0, len(order), wave):
+        idx = order[w:w + wave]
+        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], timed, n=G, temperature=args.temperature,
+                         top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
+                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w))
+        for k, i in enumerate(idx):
+            out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
+    policy.train(was_training)
+    return out, timed.seconds
+
+
+# -----------------------------------------------------------------------------
+# Training step
+
+
+def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
+    """(B, T) logprobs of each token at the sampling temperature (chunked head, sft.py),
+    and (B, T) entropy or None; under bf16 autocast on CUDA."""
+    with torch.autocast(d.device.type, dtype=d.autocast_dtype or torch.float32, enabled=d.autocast_dtype is not None):
+        out = token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
+                             mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
+                             return_entropy=with_entropy)
+    return out if with_entropy else (out, None)
+
+
+def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0) -> dict:
+    """The training half of a GRPO step: --updates-per-step optimizer steps over this rank's
+    samples (one mini-batch each, cut into micro-batches of --micro-batch), every rank in
+    lockstep.
+
+    Args:
+        model: the policy as `sft.wrap_model` returned it, in train mode.
+        samples: this rank's samples to learn from; advantages: (len(samples),).
+    Returns:
+        dict of this rank's sums (loss tokens, clip counts, KL, entropy, sampler/trainer
+        logprob gap) plus grad_norm (sum over optimizer steps) and optimizer_steps, both
+        already identical on every rank.
+    """
+    K = args.updates_per_step
+    dev = d.device
+    # 1) mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
+    minis = []
+    for chunk in split_even(list(range(len(samples))), K):
+        chunk = sorted(chunk, key=lambda i: -len(samples[i].ids))
+        cuts = [chunk[j:j + args.micro_batch] for j in range(0, len(chunk), args.micro_batch)]
+        minis.append([make_batch([samples[i] for i in c], advantages[c], pad_id) for c in cuts])
+    # 2) global sizes, fixed before any micro-step: the loss tokens of each mini-batch over
+    #    all ranks (the normaliser) and the most micro-batches any rank has (ranks with
+    #    fewer run dummy micro-batches so that their collectives pair up, case D3)
+    tokens = _all_reduce(torch.tensor([float(sum(int(mb["loss_mask"].sum()) for mb in m)) for m in minis],
+                                      dtype=torch.float64, device=dev)).tolist()
+    n_micro = _all_reduce(torch.tensor([len(m) for m in minis], dtype=torch.int64, device=dev),
+                          dist.ReduceOp.MAX).tolist()
+
+    def micro(k, m):
+        return minis[k][m] if m < len(minis[k]) else dummy_batch(pad_id)
+
+    # 3) old logprobs: the trainer's own forward before any update. Mini-batch 0 uses its
+    #    first forward, detached (the same computation), so its ratio is exactly 1; later
+    #    mini-batches need a no-grad pass now, before the first optimizer step.
+    olds = {}
+    with torch.no_grad():
+        for k in range(1, K):
+            for m in range(n_micro[k] if tokens[k] > 0 else 0):
+                olds[k, m] = _logprobs(model, micro(k, m), args, d, False)[0]
+
+    # 4) K optimizer steps
+    acc = {n: torch.zeros((), dtype=torch.float64, device=dev) for n in
+           ("loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff")}
+    grad_norm, steps = 0.0, 0
+    for k in range(K):
+        if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
+            continue
+        # DDP / FSDP average gradients over ranks; dividing by tokens / world_size instead
+        # of tokens turns that average into the sum: grad = sum of token losses / N.
+        normalizer = tokens[k] / d.world_size
+        for m in range(n_micro[k]):
+            mb = micro(k, m)
+            # gradients are all-reduced on the last micro-step only (sft.grad_sync)
+            with grad_sync(model, sync=m == n_micro[k] - 1):
+                lp, ent = _logprobs(model, mb, args, d, True)  # (B, T), (B, T)
+                old = olds[k, m] if k > 0 else lp.detach()  # (B, T)
+                mask = mb["loss_mask"].to(dev)  # (B, T)
+                loss, met = policy_loss(lp, old, mb["advantages"].to(dev), mask, args.eps_low, args.eps_high,
+                                        normalizer=normalizer, entropy=ent)
+                loss.backward()
+            n = met["tokens"].double()
+            acc["loss_tokens"] += n
+            for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy"):
+                acc[name] += met[name].double() * n
+            slp = mb["sampler_logprobs"].to(dev)  # (B, T), NaN off model tokens
+            acc["logprob_diff"] += torch.where(mask, (old.float() - slp).abs(), torch.zeros_like(slp)).sum().double()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        if hasattr(gn, "full_tensor"):  # FSDP: a DTensor
+            gn = gn.full_tensor()
+        grad_norm += float(gn)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps += 1
+    out = {n: float(v) for n, v in acc.items()}
+    out.update(grad_norm=grad_norm, optimizer_steps=steps)
+    return out
+
+
+def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
+              reward_fn=None, rollout_fn=rollout):
+    """One GRPO step, called on every rank.
+
+    Args:
+        model: the trained policy as `sft.wrap_model` returned it.
+        policy: the plain module the sampler runs (no collective inside its forward, case D2),
+            already holding the current weights (`sync_policy`).
+        draw: () -> this rank's share of the next --prompts-per-step problems.
+        reward_fn: (sample, problem) -> float; default `answer_reward` (the paper's).
+        rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
+    Returns:
+        (metrics: dict reduced over ranks, identical on every rank;
+         records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere)).
+    """
+    reward_fn = reward_fn or answer_reward
+    G = args.group_size
+    t_start = time.perf_counter()
+    # 1) rollouts -> rewards -> group advantages; groups with equal rewards are dropped.
+    #    With --dynamic-sampling, more rounds until the step has enough groups with signal.
+    kept, kept_adv, records = [], [], []
+    S = dict.fromkeys(("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens",
+                       "tool_calls", "exec_errors", "finish_stop", "finish_length", "finish_tool_budget"), 0.0)
+    t_exec, rounds = 0.0, 0
+    while True:
+        problems = draw()
+        samples, secs = collect_rollouts(policy, tokenizer, problems, sandbox, args,
+                                         mix_seed(args.seed, step, d.rank, rounds), rollout_fn)
+        t_exec += secs
+        correct = [is_correct(s, problems[i // G]) for i, s in enumerate(samples)]
+        rewards = torch.tensor([float(c) if reward_fn is answer_reward else float(reward_fn(s, problems[i // G]))
+                                for i, (s, c) in enumerate(zip(samples, correct))])  # (N,)
+        adv = group_advantages(rewards, G)  # (N,)
+        const = constant_groups(rewards, G)  # (N / G,)
+        for g, prob in enumerate(problems):
+            records.append({"step": step, "id": prob["id"], "n": G, "correct": int(sum(correct[g * G:(g + 1) * G])),
+                            "reward": float(rewards[g * G:(g + 1) * G].sum())})
+            if not const[g]:
+                kept += samples[g * G:(g + 1) * G]
+                kept_adv.append(adv[g * G:(g + 1) * G])
+        S["samples"] += len(samples)
+        S["reward"] += float(rewards.sum())
+        S["correct"] += sum(correct)
+        S["groups"] += len(problems)
+        S["zero_var_groups"] += int(const.sum())
+        for s in samples:
+            S["model_tokens"] += s.n_model_tokens
+            S["tool_calls"] += len(s.blocks or [])
+            S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
+            key = "finish_" + s.finish_reason
+            assert key in S, f"unknown finish_reason {s.finish_reason!r}"  # keys must match across ranks
+            S[key] += 1
+        rounds += 1
+        if not args.dynamic_sampling or rounds >= args.max_sampling_rounds:
+            break
+        n_kept = _all_reduce(torch.tensor([len(kept) // G], device=d.device))  # every rank, same answer
+        if int(n_kept) >= args.prompts_per_step:
+            break
+    t_rollout = time.perf_counter() - t_start - t_exec
+
+    # 2) the update, on the kept groups only
+    t0 = time.perf_counter()
+    advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id)
+    t_train = time.perf_counter() - t0
+
+    # 3) (sum, count) pairs summed over ranks; every rank computes the same numbers
+    keys = sorted(S) + ["loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff"]
+    vals = [S[k] if k in S else upd[k] for k in keys]
+    tot = dict(zip(keys, _all_reduce(torch.tensor(vals, dtype=torch.float64, device=d.device)).tolist()))
+    times = _all_reduce(torch.tensor([t_rollout, t_exec, t_train], dtype=torch.float64, device=d.device),
+                        dist.ReduceOp.MAX).tolist()  # the slowest rank sets the pace
+    if dist.is_initialized() and d.world_size > 1:
+        parts = [None] * d.world_size
+        dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
+        records = [r for p in parts for r in p]
+    n, nt = max(tot["samples"], 1.0), max(tot["loss_tokens"], 1.0)
+    metrics = {
+        "step": step,
+        "reward_mean": tot["reward"] / n,
+        "accuracy": tot["correct"] / n,
+        "zero_var_share": tot["zero_var_groups"] / max(tot["groups"], 1.0),
+        "groups": int(tot["groups"]),
+        "model_tokens_per_sample": tot["model_tokens"] / n,
+        "tool_calls_per_sample": tot["tool_calls"] / n,
+        "exec_errors_per_sample": tot["exec_errors"] / n,
+        "exec_error_rate": tot["exec_errors"] / max(tot["tool_calls"], 1.0),
+        "finish_length_share": tot["finish_length"] / n,
+        "finish_tool_budget_share": tot["finish_tool_budget"] / n,
+        "loss_tokens": int(tot["loss_tokens"]),
+    }
+    # training metrics exist only when some group had signal (else null, not a misleading 0)
+    trained = tot["loss_tokens"] > 0
+    for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy"):
+        metrics[name] = tot[name] / nt if trained else None
+    metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if trained else None  # |trainer - sampler| per token
+    metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if trained else None
+    metrics.update({
+        "optimizer_steps": upd["optimizer_steps"],
+        "sampling_rounds": rounds,
+        "lr": optimizer.param_groups[0]["lr"],
+        "time_rollout": times[0], "time_exec": times[1], "time_train": times[2],
+    })
+    return metrics, (records if d.rank == 0 else [])
+
+
+def budget_warning(metrics) -> str | None:
+    """A loud message when most samples end on a budget (rewards silently become 0)."""
+    length, tools = metrics["finish_length_share"], metrics["finish_tool_budget_share"]
+    if length + tools <= 0.5:
+        return None
+    return (f"WARNING step {metrics['step']}: {length:.0%} of samples hit the length budget "
+            f"(--max-context / --max-new-tokens) and "
+            f"{tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples score 0 and "
+            "training learns little. Raise the budgets or check the prompt / stop tokens.")
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+
+def _trim_jsonl(path: str, last_step: int):
+    """Drop records of steps after `last_step` (a resumed run redoes them)."""
+    if os.path.exists(path):
+        rows = [r for r in executor.read_jsonl_tolerant(path) if r.get("step", 0) <= last_step]
+        executor.write_json_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main(argv=None, reward_fn=None):
+    """Run GRPO from the command line. `reward_fn` (sample, problem) -> float replaces the
+    paper's reward when called from Python (tests); the command line always uses it."""
+    args = parse_args(argv)
+    assert args.model or args.resume, "--model or --resume is required"
+    rank, local_rank, world, device = setup_distributed(args.seed)
+    d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
+    # derived sizes
+    assert args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} % {world} ranks != 0"
+    per_rank = args.prompts_per_step // world
+    print0(f"{args.prompts_per_step} prompts x G {args.group_size} = {args.prompts_per_step * args.group_size} "
+           f"samples per step; {per_rank} prompts ({per_rank * args.group_size} samples) per rank x {world} ranks; "
+           f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}")
+    print0("regime: " + ("on-policy, one update per rollout batch: ratio exactly 1, clip fractions 0"
+                         if args.updates_per_step == 1 else
+                         f"{args.updates_per_step} mini-batch updates per rollout batch: clipping active "
+                         "after the first"))
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
+
+    # 1) data
+    problems = executor.read_problems(args.data)
+    if args.drop_solved:
+        solved = solved_ids(args.drop_solved)
+        n0 = len(problems)
+        problems = [p for p in problems if p["id"] not in solved]
+        print0(f"--drop-solved: dropped {n0 - len(problems)} of {n0} prompts solved G/G in {args.drop_solved}")
+    stream = PromptStream(problems, args.seed, rank, world)
+
+    # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
+    lm, tokenizer = load_model(args.resume or args.model, dtype="float32", device="cpu")
+    roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
+    # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
+    # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
+    # module itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
+    share = not args.fsdp and roll_dtype == torch.float32
+    policy = None if share else copy.deepcopy(lm).to(device=device, dtype=roll_dtype).requires_grad_(False)
+    model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
+    policy = unwrap_model(model) if share else policy
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
+    step = 0
+    if args.resume:
+        st = load_trainer_state(args.resume)
+        step = st["step"]
+        if not args.reset_optimizer:
+            optimizer.load_state_dict(st["optimizer"])
+            stream.load_state_dict(st["data"])
+            random.setstate(st["rng"]["python"])
+            torch.set_rng_state(st["rng"]["torch"])
+        print0(f"resumed from {args.resume} at step {step}" + (" (optimizer and data order fresh)"
+                                                                if args.reset_optimizer else ""))
+        if rank == 0:
+            for name in ("metrics.jsonl", "pass_rates.jsonl"):
+                _trim_jsonl(os.path.join(args.out, name), step)
+
+    def save(name):
+        state = {"step": step, "optimizer": optimizer.state_dict(), "data": stream.state_dict(),
+                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}, "world_size": world}
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+
+    # 3) the loop
+    from tqdm import tqdm
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // local)
+    bar = tqdm(total=args.steps, initial=step, disable=rank != 0 or args.no_progress, desc="grpo", unit="step")
+    with Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+        while step < args.steps:
+            step += 1
+            if not share:
+                sync_policy(model, policy)
+            metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
+                                         lambda: stream.next(args.prompts_per_step), args, d, step,
+                                         reward_fn=reward_fn)
+            if rank == 0:
+                executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
+                executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
+                warn = budget_warning(metrics)
+                if warn:
+                    print("\n" + "!" * 80 + "\n" + warn + "\n" + "!" * 80, file=sys.stderr, flush=True)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
+                            tokens=metrics["model_tokens_per_sample"])
+            bar.update(1)
+            if args.save_every and step % args.save_every == 0 or step == args.steps:
+                save("latest")
+            if args.keep_every and step % args.keep_every == 0:
+                save(f"step_{step:06d}")
+    bar.close()
+    print0(f"done: step {step}; checkpoint {os.path.join(args.out, 'latest')}")
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

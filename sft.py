@@ -1,0 +1,697 @@
+"""Supervised fine-tuning on THINC trajectories: a plain-PyTorch masked SFT loop.
+
+Every token of the assistant turn is supervised: the plan, the ```python blocks, the
+```output blocks the interpreter wrote (m_k = 1, as in the paper's SFT stage) and the
+end-of-turn token; the prompt never is. The objective of one optimizer step over the
+trajectories i of its global batch is the token mean
+
+    L(theta) = - 1 / (sum_i sum_k m_ik) * sum_i sum_k m_ik * log pi_theta(y_ik | q_i, y_i,<k)
+
+with the normaliser counted over the whole step (every micro-batch and every rank), so the
+gradient does not depend on how the batch is split. Paper defaults: AdamW, lr 7e-6 with a
+cosine schedule, global batch 16, 3 epochs, 32K context.
+
+Reads: a model directory or .gguf (`--model`), trajectory JSONL (`--data`; fields "problem"
+and "completion", optional "blocks" [{"output": ...}]). Writes under `--out`: step_NNNNNN/
+and final/ (Hugging Face directories: safetensors, config, tokenizer, args.json and
+trainer_state_rank{r}.pt for `--resume`), log.jsonl (one line per step), args.json.
+
+    python sft.py --model Qwen3-4B --data traj.jsonl --out runs/sft
+    torchrun --standalone --nproc_per_node=8 sft.py --model Qwen3-4B --data traj.jsonl --out runs/sft --fsdp
+
+Departures from the paper (which does not describe these details):
+  1. Output blocks are tokenised alone, exactly as the engine inserts them, so SFT ids equal
+     the ids a rollout of the same trajectory produces (not a re-tokenisation of the text).
+  2. Trajectories longer than --max-len are dropped and counted, never truncated; each
+     epoch drops its last partial global batch.
+  3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import executor
+from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT
+
+# -----------------------------------------------------------------------------
+# Distributed setup
+
+
+def setup_distributed(seed: int):
+    """Read RANK / LOCAL_RANK / WORLD_SIZE (torchrun) or fall back to one process.
+
+    Initialises the process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU), picks the
+    device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
+    Returns (rank, local_rank, world_size, device).
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _seed_all(seed + rank)
+    return rank, local_rank, world_size, device
+
+
+def _seed_all(seed: int):
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*a, **kw):
+    """print on rank 0 only."""
+    if _rank() == 0:
+        print(*a, **kw, flush=True)
+
+
+def cleanup_distributed():
+    """Destroy the process group if one was created."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (returns a new tensor; identity on one process)."""
+    x = x.clone()
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+class LogprobModel(nn.Module):
+    """The unit that DDP / FSDP wrap: forward = the causal LM's body once, then the chunked
+    head of `token_logprobs`. Everything that touches parameters runs inside this forward,
+    so DDP's reducer and FSDP's unshard hooks see it. `.lm` is the Hugging Face model."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size=1024, temperature=1.0, entropy=False):
+        return _lm_token_logprobs(self.lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy)
+
+
+def _is_ddp(model) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a DDP / FSDP / LogprobModel wrapper (for rollouts and
+    saving). Under FSDP its parameters are sharded DTensors."""
+    if _is_ddp(model):
+        model = model.module
+    if isinstance(model, LogprobModel):
+        model = model.lm
+    return model
+
+
+def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing: bool = False) -> nn.Module:
+    """Prepare a Hugging Face causal LM for training on this rank.
+
+    Moves it to `device`, enables (non-reentrant) gradient checkpointing if asked, and with
+    more than one rank wraps it: DDP, or with `fsdp` PyTorch's `fully_shard` on every decoder
+    layer and on the root (bf16 compute, fp32 reduce on CUDA). With one rank it returns the
+    model itself. Call `token_logprobs` on the result; `unwrap_model` gets the HF model back.
+    """
+    device = torch.device(device)
+    model = model.to(device)
+    if grad_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    model.train()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return model
+    if not fsdp:
+        return nn.parallel.DistributedDataParallel(
+            LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    assert layers, f"--fsdp: no decoder layers found in {type(model).__name__} (_no_split_modules)"
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    wrapped = LogprobModel(model)
+    fully_shard(wrapped, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
+    return wrapped
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, sync: bool):
+    """Context for one micro-step's backward. Under DDP with sync=False, gradients are only
+    accumulated locally: all-reducing on every micro-step would send the same bytes `accum`
+    times for nothing, so we sync once, on the last micro-step. FSDP reduce-scatters every
+    micro-step (skipping it would keep full unsharded gradients in memory, which is what
+    FSDP is used to avoid). Without a wrapper it does nothing."""
+    if _is_ddp(model) and not sync:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+# -----------------------------------------------------------------------------
+# Logprobs and loss
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 mask -> (B, T) long position ids: cumsum(mask) - 1, so the first real token
+    of every row is at position 0 whatever the padding (left or right); pads get 0. The
+    sampler uses the same rule (case G2)."""
+    return (torch.cumsum(attention_mask.long(), dim=-1) - 1).clamp(min=0)
+
+
+def _head_logprobs(head, hidden, targets, temperature, entropy):
+    """(B, C, H), (B, C) -> (B, C), (B, C): logprob of each target and the entropy (or 0), fp32."""
+    logits = head(hidden).float()  # (B, C, V)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)  # (B, C)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, C)
+    if not entropy:
+        return logp, torch.zeros_like(logp)
+    probs = torch.exp(logits - lse[..., None])  # (B, C, V)
+    return logp, lse - (probs * logits).sum(-1)  # (B, C) each
+
+
+def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy):
+    softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)
+    assert not softcap, "token_logprobs: final logit soft-capping is not supported"
+    body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else lm.lm_head
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state  # (B, T, H)
+    B, T = input_ids.shape
+    logps = [torch.zeros(B, 1, device=hidden.device)]  # position 0 predicts nothing
+    ents = [torch.zeros(B, 1, device=hidden.device)]
+    for s in range(0, T - 1, chunk_size):
+        e = min(s + chunk_size, T - 1)
+        h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
+        if torch.is_grad_enabled() and h.requires_grad:
+            # recompute the chunk's (B, C, V) logits in backward instead of keeping them
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
+                                                        use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs(head, h, tgt, temperature, entropy)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
+
+
+def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_size: int = 1024,
+                   temperature: float = 1.0, return_entropy: bool = False):
+    """Logprob of every token given the tokens before it, without materialising (B, T, V).
+
+    Runs the model's body once (hidden states), then the output projection and log-softmax
+    in chunks of `chunk_size` positions, each chunk recomputed in backward (only (B, T)
+    floats are kept per chunk).
+
+    Args:
+        model: a Hugging Face causal LM, or what `wrap_model` returned (DDP / FSDP).
+        input_ids: (B, T) long. attention_mask: (B, T) 0/1 (padding on either side).
+        position_ids: (B, T) long; default `position_ids_from_mask(attention_mask)`.
+        temperature: logits are divided by it (> 0); <= 0 means raw logits, like the sampler.
+    Returns:
+        logprobs (B, T) fp32 aligned with input_ids (the same layout as Sample.ids / .roles /
+        .logprobs): logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); column 0 is 0.
+        With return_entropy, also entropy (B, T) of the distribution that predicted token t.
+        Values at padding positions are meaningless (mask them, never multiply NaN by 0).
+    """
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    if _is_ddp(model) or isinstance(model, LogprobModel):
+        logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy)
+    else:
+        logp, ent = _lm_token_logprobs(model, input_ids, attention_mask, position_ids, chunk_size, temperature,
+                                       return_entropy)
+    return (logp, ent) if return_entropy else logp
+
+
+def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normaliser):
+    """Sum of token NLL over loss tokens divided by a normaliser fixed outside.
+
+    (B, T) float, (B, T) bool, scalar -> (scalar loss, {"nll_sum", "n_tokens"}).
+    The normaliser is the number of loss tokens in the whole optimizer step (all micro-
+    batches, all ranks), so summing this loss over micro-steps and ranks gives exactly the
+    token mean of the step (style rule 8). Masked positions contribute exactly 0 (where, not
+    multiply, so a NaN there cannot leak); an all-masked batch gives 0, not NaN (case F5).
+    """
+    assert logprobs.dim() == 2 and logprobs.shape == loss_mask.shape, (logprobs.shape, loss_mask.shape)
+    nll = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs))  # (B, T)
+    nll_sum = nll.sum()
+    norm = torch.as_tensor(normaliser, dtype=nll_sum.dtype, device=nll_sum.device).clamp(min=1.0)
+    return nll_sum / norm, {"nll_sum": nll_sum.detach(), "n_tokens": loss_mask.sum().detach()}
+
+
+# -----------------------------------------------------------------------------
+# Data: trajectory JSONL -> ids and roles
+
+_OUTPUT_RE = re.compile(r"\n```output\n.*?\n```\n", re.DOTALL)
+
+
+
+
+def split_completion(completion: str, outputs=None) -> list:
+    """Split an assistant text into [(text, role)] segments: ROLE_MODEL for what the model
+    writes, ROLE_OUTPUT for each ```output block the environment inserted (with the newline
+    before it, as the engine inserts it). `outputs`: the blocks' exact outputs when the row
+    has them (robust to output text that contains a fence); else found by pattern."""
+    spans = []
+    if outputs is not None:
+        pos = 0
+        for out in outputs:
+            chunk = executor.output_block(out)
+            i = completion.find(chunk, pos)
+            if i < 0:
+                raise ValueError(f"output block not found in the completion: {chunk[:80]!r}")
+            spans.append((i, i + len(chunk)))
+            pos = i + len(chunk)
+    else:
+        spans = [m.span() for m in _OUTPUT_RE.finditer(completion)]
+    segs, pos = [], 0
+    for a, b in spans:
+        segs += [(completion[pos:a], ROLE_MODEL), (completion[a:b], ROLE_OUTPUT)]
+        pos = b
+    segs.append((completion[pos:], ROLE_MODEL))
+    return [(t, r) for t, r in segs if t]
+
+
+def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=None, where: str = "") -> dict:
+    """Token ids and per-token roles of one trajectory, as the engine would produce them.
+
+    prompt = executor.build_prompt_ids(tokenizer, problem) (ROLE_PROMPT); then whatever the
+    chat template puts before the assistant content (e.g. an empty think block), each model
+    segment and each output block tokenised alone as the engine does (ROLE_MODEL /
+    ROLE_OUTPUT), and the template's end of turn through the first stop token (ROLE_MODEL:
+    the model must learn to stop); what the template adds after it (a newline) is dropped.
+    Raises ValueError naming `where` if the template's rendering of the conversation does
+    not start with the prompt ids, or has no end-of-turn token.
+    """
+    stops = stops if stops is not None else executor.stop_token_ids(tokenizer)
+    prompt_ids = executor.build_prompt_ids(tokenizer, problem)
+    msgs = executor.prompt_messages(problem)
+    prompt_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    full_text = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": completion}],
+                                              tokenize=False)
+    full_ids = tokenizer.encode(full_text, add_special_tokens=False)
+    if not full_text.startswith(prompt_text) or full_ids[:len(prompt_ids)] != prompt_ids:
+        raise ValueError(f"{where}: the chat template's rendering of prompt + completion does not "
+                         "start with the prompt ids (build_prompt_ids)")
+    start = full_text.find(completion, len(prompt_text))
+    if start < 0:
+        raise ValueError(f"{where}: the chat template altered the completion text (e.g. stripped it)")
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []  # noqa: E731
+    ids, roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
+    segs = [(full_text[len(prompt_text):start], ROLE_MODEL)] + split_completion(completion, outputs)
+    for i in range(1, len(segs) - 1):
+        # The engine stops right after the token holding the fence's last backtick; when this
+        # tokenizer merges the newline after a fence into that token (Qwen2.5: "`\n"), the
+        # newline is the model's and the output block has no leading newline.
+        (text, role), (nxt, nrole) = segs[i], segs[i + 1]
+        if role == ROLE_MODEL and nrole == ROLE_OUTPUT and nxt.startswith("\n"):
+            last = enc(text + "\n")[-1:]
+            if last and tokenizer.decode(last).endswith("\n") and tokenizer.decode(last) != "\n":
+                segs[i], segs[i + 1] = (text + "\n", role), (nxt[1:], nrole)
+    for text, role in segs:
+        t = enc(text)
+        ids += t
+        roles += [role] * len(t)
+    tail = enc(full_text[start + len(completion):])  # e.g. [<|im_end|>, "\n"]
+    k = next((i for i, t in enumerate(tail) if t in stops), None)
+    if k is None:
+        raise ValueError(f"{where}: no end-of-turn token after the assistant turn in the chat template")
+    ids += tail[:k + 1]
+    roles += [ROLE_MODEL] * (k + 1)
+    return {"ids": ids, "roles": roles}
+
+
+def load_sft_data(path: str, tokenizer, max_len: int):
+    """Read trajectory JSONL and build examples. Returns (examples, n_dropped): examples
+    longer than `max_len` tokens are dropped and counted, never truncated (case F5).
+    Raises ValueError naming file:line for a bad row."""
+    stops = executor.stop_token_ids(tokenizer)
+    examples, dropped = [], 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e})") from e
+            problem = row.get("problem", row.get("question"))
+            if problem is None or row.get("completion") is None:
+                raise ValueError(f"{where}: needs 'problem' and 'completion'")
+            outputs = [b["output"] for b in row["blocks"]] if row.get("blocks") else None
+            try:
+                ex = build_example(tokenizer, problem, row["completion"], outputs, stops, where)
+            except ValueError as e:
+                raise ValueError(e if str(e).startswith(where) else f"{where}: {e}") from e
+            if len(ex["ids"]) > max_len:
+                dropped += 1
+                continue
+            examples.append(ex)
+    return examples, dropped
+
+
+def loss_mask_from_roles(roles: torch.Tensor, mask_outputs: bool = False) -> torch.Tensor:
+    """(B, T) roles -> (B, T) bool: model tokens, plus interpreter-output tokens unless
+    `mask_outputs` (the ablation). Never derived from token ids (pad may equal EOS)."""
+    mask = roles == ROLE_MODEL
+    if not mask_outputs:
+        mask = mask | (roles == ROLE_OUTPUT)
+    return mask
+
+
+def collate(examples: list, pad_id: int, device="cpu") -> dict:
+    """Right-pad examples into input_ids, attention_mask, position_ids and roles, all (B, T);
+    padding has role ROLE_PAD and mask 0."""
+    T = max(len(e["ids"]) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    roles = torch.full((len(examples), T), ROLE_PAD, dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, :len(e["ids"])] = torch.tensor(e["ids"])
+        roles[i, :len(e["roles"])] = torch.tensor(e["roles"])
+    mask = (roles != ROLE_PAD).long()  # (B, T) from lengths
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+            "position_ids": position_ids_from_mask(mask).to(device), "roles": roles.to(device)}
+
+
+def step_indices(step: int, n_examples: int, global_batch: int, seed: int) -> list:
+    """The examples of optimizer step `step`: each epoch is a permutation seeded by
+    (seed, epoch), cut into global batches, the last partial one dropped. Depends on
+    nothing else (not the world size), so a resumed or re-split run sees the same data."""
+    steps_per_epoch = n_examples // global_batch
+    epoch, k = divmod(step, steps_per_epoch)
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n_examples, generator=g).tolist()
+    return perm[k * global_batch:(k + 1) * global_batch]
+
+
+def micro_batches_for_rank(idx: list, lengths: list, micro: int, accum: int, world: int, rank: int) -> list:
+    """Length-grouped split of one global batch: sort by length, cut into world * accum
+    micro-batches of `micro` sequences; micro-batch c goes to rank c % world at micro-step
+    c // world, so ranks run similar lengths in lockstep and padding stays small.
+    Returns this rank's `accum` lists of example indices."""
+    assert len(idx) == micro * accum * world, (len(idx), micro, accum, world)
+    order = sorted(idx, key=lambda i: (lengths[i], i))
+    chunks = [order[c * micro:(c + 1) * micro] for c in range(world * accum)]
+    return [chunks[k * world + rank] for k in range(accum)]
+
+
+# -----------------------------------------------------------------------------
+# One optimizer step's backward
+
+
+def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chunk_size: int = 1024,
+                  autocast_dtype=None) -> dict:
+    """Accumulate the gradient of one optimizer step over this rank's micro-batches.
+
+    micro_batches: collated dicts (see `collate`) already on the model's device.
+    The loss normaliser (loss tokens of the whole step) is all-reduced once, before the
+    loop; each micro-loss is multiplied by the world size because DDP / FSDP *average*
+    gradients over ranks, and we want their sum. Returns {"nll_sum", "n_loss_tokens",
+    "n_tokens"} summed over ranks (floats).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+    masks = [loss_mask_from_roles(mb["roles"], mask_outputs) for mb in micro_batches]
+    n_local = torch.tensor([float(sum(int(m.sum()) for m in masks)),
+                            float(sum(int(mb["attention_mask"].sum()) for mb in micro_batches))], device=device)
+    n_loss, n_tok = all_reduce_sum(n_local).tolist()
+    nll_sum = torch.zeros((), device=device)
+    for k, (mb, mask) in enumerate(zip(micro_batches, masks)):
+        with grad_sync(model, sync=k == len(micro_batches) - 1), \
+                torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logp = token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], chunk_size)
+            loss, m = masked_token_loss(logp, mask, n_loss)
+            (loss * world).backward()
+        nll_sum += m["nll_sum"]
+    nll_sum = all_reduce_sum(nll_sum)
+    return {"nll_sum": float(nll_sum), "n_loss_tokens": n_loss, "n_tokens": n_tok}
+
+
+def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
+    """LR multiplier: linear warmup over `warmup` steps (first step at 1/warmup), then
+    cosine from 1 to `min_ratio` at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# -----------------------------------------------------------------------------
+# Save / resume
+
+
+def _full_state_dict(model):
+    """Full (unsharded) model state dict: on every rank for DDP / one process, on rank 0
+    only (CPU) for FSDP, where every rank must call it."""
+    lm = unwrap_model(model)
+    if any(type(p).__name__ == "DTensor" for p in lm.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = {k.removeprefix("lm."): v for k, v in sd.items()}
+        first = {}  # tied weights (embeddings / lm_head) gathered as two copies: share one again,
+        for name, p in lm.named_parameters(remove_duplicate=False):  # so save_pretrained drops the tie
+            if id(p) in first and name in sd:
+                sd[name] = sd[first[id(p)]]
+            first.setdefault(id(p), name)
+        return sd
+    return None  # save_pretrained reads the module itself
+
+
+def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None):
+    """Write a Hugging Face model directory atomically (temp dir, then rename).
+
+    out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
+    this rank's `trainer_state` as trainer_state_rank{r}.pt. Call on every rank (FSDP gathers
+    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded from
+    GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
+    """
+    rank = _rank()
+    tmp = out_dir.rstrip("/") + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    sd = _full_state_dict(model)
+    if trainer_state is not None:
+        torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+    if rank == 0:
+        lm = unwrap_model(model)
+        qc = getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None) \
+            or getattr(lm.config, "quantization_config", None)
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
+        if "gguf" in str(getattr(method, "value", method)).lower():  # dequantized at load: drop the marker
+            assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
+            lm.hf_quantizer = None
+            if hasattr(lm.config, "quantization_config"):
+                del lm.config.quantization_config
+        lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump(args, f, indent=2, default=str)
+    _barrier()  # every rank's trainer state is written before the directory is published
+    if rank == 0:
+        old = out_dir.rstrip("/") + ".old"
+        if os.path.exists(out_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def load_trainer_state(ckpt_dir: str, rank: int | None = None) -> dict:
+    """This rank's trainer state from a checkpoint (rank 0's if the run had fewer ranks:
+    exact for DDP's replicated optimizer, except per-rank RNG)."""
+    rank = _rank() if rank is None else rank
+    path = os.path.join(ckpt_dir, f"trainer_state_rank{rank}.pt")
+    if not os.path.exists(path):
+        path = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no trainer state in {ckpt_dir}")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(s: dict):
+    import numpy as np
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="THINC SFT: masked full-token SFT on trajectories.")
+    # model and data
+    p.add_argument("--model", required=True, help="model directory or .gguf file")
+    p.add_argument("--data", required=True, help="trajectory JSONL (problem, completion[, blocks])")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
+    p.add_argument("--resume", default=None, help="checkpoint directory to continue from exactly "
+                   "(its weights replace --model)")
+    p.add_argument("--max-len", type=int, default=32768, help="tokens per trajectory; longer ones are dropped")
+    p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
+    # optimisation
+    p.add_argument("--lr", type=float, default=7e-6, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor, fraction of --lr")
+    p.add_argument("--warmup", type=float, default=0.03, help="warmup share of all steps (0 = none)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the data")
+    p.add_argument("--max-steps", type=int, default=0, help="optimizer steps; 0 = epochs decide")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 = off")
+    # system
+    p.add_argument("--seed", type=int, default=0, help="data order and RNG seed (rank r uses seed + r)")
+    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA (CPU is always fp32)")
+    p.add_argument("--chunk-size", type=int, default=1024, help="positions per lm_head/log-softmax chunk")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0 = only at the end")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    return p.parse_args(argv)
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, local_rank, world, device = setup_distributed(args.seed)
+    # derived sizes: global batch = micro-batch x accumulation steps x ranks
+    assert args.global_batch % (args.micro_batch * world) == 0, \
+        f"--global-batch {args.global_batch} is not a multiple of micro-batch {args.micro_batch} x {world} ranks"
+    accum = args.global_batch // (args.micro_batch * world)
+    print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+
+    # 1) model (fp32 master weights) and data
+    lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
+    examples, dropped = load_sft_data(args.data, tokenizer, args.max_len)
+    lengths = [len(e["ids"]) for e in examples]
+    n_sup = sum(sum(r in (ROLE_MODEL, ROLE_OUTPUT) for r in e["roles"]) for e in examples)
+    print0(f"{len(examples)} trajectories, {sum(lengths)} tokens ({n_sup} supervised); "
+           f"{dropped} dropped as longer than --max-len {args.max_len}")
+    steps_per_epoch = len(examples) // args.global_batch
+    assert steps_per_epoch > 0, f"{len(examples)} trajectories: fewer than one global batch ({args.global_batch})"
+    total = args.max_steps or args.epochs * steps_per_epoch
+    warmup = int(args.warmup * total)
+    print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
+    model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
+
+    # 2) optimizer, schedule, resume
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
+    data_id = {"seed": args.seed, "n_examples": len(examples), "global_batch": args.global_batch}
+    step = 0
+    if args.resume:
+        st = load_trainer_state(args.resume)
+        if st["data"] != data_id:
+            print0(f"warning: data / batch differ from the checkpoint's {st['data']}; order will not continue exactly")
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        _set_rng_state(st["rng"])
+        step = st["step"]
+        print0(f"resumed from {args.resume} at step {step}")
+
+    def save(name):
+        state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "data": data_id, "rng": _rng_state(), "world_size": world}
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+
+    # 3) the loop: one optimizer step per global batch
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft", unit="step")
+    log = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
+    model.train()
+    while step < total:
+        t0 = time.perf_counter()
+        idx = step_indices(step, len(examples), args.global_batch, args.seed)
+        mine = micro_batches_for_rank(idx, lengths, args.micro_batch, accum, world, rank)
+        mbs = [collate([examples[i] for i in c], tokenizer.pad_token_id, device) for c in mine]
+        m = backward_step(model, mbs, mask_outputs=args.mask_outputs, chunk_size=args.chunk_size,
+                          autocast_dtype=autocast_dtype)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        dt = time.perf_counter() - t0
+        rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
+               "lr": lr, "grad_norm": float(grad_norm), "loss_tokens": int(m["n_loss_tokens"]),
+               "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
+        bar.update(1)
+        if args.save_every and step % args.save_every == 0 and step < total:
+            save(f"step_{step:06d}")
+    bar.close()
+    save("final")
+    if log is not None:
+        log.close()
+    print0(f"saved {os.path.join(args.out, 'final')}")
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
