@@ -218,9 +218,13 @@ def setup_distributed(seed: int):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
-    p.add_argument("--teacher", help="teacher: Hugging Face model directory or .gguf file")
-    p.add_argument("--data", help="problems JSONL: one {id, problem, answer} per line")
-    p.add_argument("--out", help="kept trajectories JSONL; rejected / summary files go beside it")
+    p.add_argument("--teacher", default=ex.DEFAULT_TEACHER,
+                   help="teacher: Hugging Face model directory, .gguf file or packaged model name "
+                   "(default: the packaged Qwen2.5-Coder-1.5B)")
+    p.add_argument("--data", default=os.path.join(HERE, "data", "demo_problems.jsonl"),
+                   help="problems JSONL: one {id, problem, answer} per line (default: data/demo_problems.jsonl)")
+    p.add_argument("--out", default="runs/distill/traj.jsonl",
+                   help="kept trajectories JSONL; rejected / summary files go beside it")
     p.add_argument("--exemplars", default=os.path.join(HERE, "data", "exemplars.jsonl"),
                    help="few-shot exemplars JSONL (all of its rows are used)")
     p.add_argument("--limit", type=int, default=0, help="use the first N problems only; 0 = all")

@@ -501,11 +501,13 @@ def parse_args(argv=None):
                    "model name (default: executor.DEFAULT_POLICY)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--data", nargs="+", metavar="JSONL", help="problems files, one benchmark each "
-                   "(named by the file stem)")
+    p.add_argument("--data", nargs="+", metavar="JSONL",
+                   default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")],
+                   help="problems files, one benchmark each (named by the file stem); default: "
+                   "data/demo_problems.jsonl")
     p.add_argument("--limit", type=int, default=0, help="first N problems of each file; 0 = all")
-    p.add_argument("--out", metavar="DIR", help="run folder (created; a folder holding a killed "
-                   "run of the same command is resumed)")
+    p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (created; a folder "
+                   "holding a killed run of the same command is resumed)")
     # sampling (paper defaults)
     p.add_argument("--k", type=int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 = greedy")

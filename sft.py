@@ -572,7 +572,9 @@ def _set_rng_state(s: dict):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="THINC SFT: masked full-token SFT on trajectories.")
     # model and data
-    p.add_argument("--model", required=True, help="model directory or .gguf file")
+    p.add_argument("--model", default=executor.DEFAULT_POLICY,
+                   help="model directory, .gguf file or packaged model name (default: the packaged "
+                   "Qwen2.5-Coder-0.5B)")
     p.add_argument("--data", required=True, help="trajectory JSONL (problem, completion[, blocks])")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from exactly "
