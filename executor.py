@@ -249,7 +249,7 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
             s = running.pop(pid, None)
             if s is not None:
                 _kill_strays()
-                s.sendall(json.dumps({"exit": status}).encode() + b"\n")
+                s.sendall(json.dumps({"exit": status, "pid": pid}).encode() + b"\n")
 
 
 def _count_user_processes() -> int:
@@ -456,21 +456,16 @@ class Sandbox:
             os.close(out_w)
             os.close(st_w)
             out_w = st_w = None
-            pid = _recv_json(slot, 10)["pid"]
+            pid = _recv_pid(slot, 10)
             self._running.add(pid)
             try:
-                capture, exit_status, timed_out, too_many = _read_block(
-                    out_r, slot, pid, self.timeout, self.max_output_chars)
+                capture, status_msg, exit_status, timed_out, too_many = _read_block(
+                    out_r, st_r, slot, pid, self.timeout, self.max_output_chars)
             except _TemplateDied:  # the block is in its own session: it would outlive the template
                 _signal_group(pid, signal.SIGKILL)
                 raise
             finally:
                 self._running.discard(pid)
-            os.set_blocking(st_r, False)
-            try:
-                status_msg = os.read(st_r, 4096)
-            except BlockingIOError:  # killed before it could say anything
-                status_msg = b""
         finally:
             for fd in (out_r, out_w, st_r, st_w):
                 if fd is not None:
@@ -486,12 +481,19 @@ class _TemplateDied(Exception):
     pass
 
 
-def _recv_json(sock, timeout):
-    ready, _, _ = select.select([sock], [], [], timeout)
-    msg = sock.recv(4096) if ready else b""
-    if not msg:
-        raise _TemplateDied("no answer from the template")
-    return json.loads(msg)
+def _recv_pid(sock, timeout):
+    """The pid the template forked for our request. An exit report of this slot's previous
+    block may still be queued (the caller stops waiting for it once the block has said it
+    is done and closed its output): skip it."""
+    end = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([sock], [], [], max(0.0, end - time.monotonic()))
+        msg = sock.recv(4096) if ready else b""
+        if not msg:
+            raise _TemplateDied("no answer from the template")
+        msg = json.loads(msg)
+        if "exit" not in msg:
+            return msg["pid"]
 
 
 class _HeadTail:
@@ -542,18 +544,21 @@ def _group_size(pgid, limit):
     return n
 
 
-def _read_block(out_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS):
-    """Read a running block's output until it exits (or the deadline), with bounded memory.
-    Returns (capture, wait status or None, timed_out, too_many_procs)."""
+def _read_block(out_r, st_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS):
+    """Read a running block's output, with bounded memory, until it is done: it has written
+    its status line and every process closed the output pipe (the common case: no wait for
+    the exit to be reaped), or the template reports its exit, or the deadline passes.
+    Returns (capture, status line bytes, wait status or None, timed_out, too_many_procs)."""
     capture = _HeadTail(max(64, max_chars))  # bytes; trimmed to characters later
     deadline = time.monotonic() + timeout
     exit_status, timed_out, interrupted, out_open = None, False, False, True
+    status_msg, st_open = b"", True
     # Root (uid 0 of the init user namespace) is exempt from RLIMIT_NPROC whatever its
     # capabilities, so there a fork bomb is stopped here: the block's group is counted
     # every 0.1 s and killed when it holds more than max_procs processes.
     count_every = 0.1 if os.geteuid() == 0 else None
     next_count, too_many = time.monotonic() + (count_every or 0), False
-    while exit_status is None:
+    while exit_status is None and not (status_msg and not out_open):
         now = time.monotonic()
         if count_every and not interrupted and now >= next_count:
             next_count = now + count_every
@@ -573,9 +578,13 @@ def _read_block(out_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS)
                 # keep the machine busy: kill the group again every 50 ms until it is gone.
                 _signal_group(pid, signal.SIGKILL)
                 deadline = now + 0.05
-        fds = ([out_r] if out_open else []) + [slot]
+        fds = ([out_r] if out_open else []) + ([st_r] if st_open else []) + [slot]
         wake = deadline if interrupted or not count_every else min(deadline, next_count)
         ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
+        if st_r in ready:  # one write of under PIPE_BUF bytes: it arrives whole
+            data = os.read(st_r, 4096)
+            status_msg += data
+            st_open = False
         if out_r in ready:
             data = os.read(out_r, 1 << 16)
             if data:
@@ -586,7 +595,20 @@ def _read_block(out_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS)
             msg = slot.recv(4096)
             if not msg:
                 raise _TemplateDied("template closed the slot")
-            exit_status = json.loads(msg)["exit"]
+            msg = json.loads(msg)
+            if msg.get("pid") == pid:  # not a late report of the slot's previous block
+                exit_status = msg["exit"]
+    if exit_status is None:
+        # Done by its own account with every output closed: whatever it left in its
+        # group (a process that closed its output) is killed; the template reaps it later.
+        _signal_group(pid, signal.SIGKILL)
+        return capture, status_msg, None, timed_out, too_many
+    if st_open:  # a status line written just before the exit report came
+        os.set_blocking(st_r, False)
+        try:
+            status_msg += os.read(st_r, 4096)
+        except BlockingIOError:  # killed before it could say anything
+            pass
     # The block's process is gone; whatever it started in its group goes too. Processes
     # forked while a kill is delivered can escape one killpg, so repeat until the group is
     # empty (the template, as subreaper, reaps them).
@@ -610,7 +632,7 @@ def _read_block(out_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS)
         if not data:
             break
         capture.add(data)
-    return capture, exit_status, timed_out, too_many
+    return capture, status_msg, exit_status, timed_out, too_many
 
 
 def _signal_group(pid, sig):

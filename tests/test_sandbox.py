@@ -100,9 +100,14 @@ def _reset_peak_rss():
         pass
 
 
-def _assert_clean(sb):
-    """Nothing a block started is left: the template has no descendants at all."""
-    left = _descendants(sb._proc.pid)
+def _assert_clean(sb, grace=1.0):
+    """Nothing a block started is left: the template has no descendants at all. A block
+    that reported itself done and closed its output is returned before its process has
+    finished exiting, so a descendant may take a few ms to go; one still there after
+    `grace` seconds is a leak."""
+    end = time.monotonic() + grace
+    while (left := _descendants(sb._proc.pid)) and time.monotonic() < end:
+        time.sleep(0.01)
     assert left == [], f"processes left under the template: {left}"
 
 
