@@ -37,7 +37,10 @@ import time
 from collections import Counter
 from datetime import timedelta
 
+import torch.distributed as dist
+
 import executor as ex
+from sft import cleanup_distributed, setup_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -191,30 +194,6 @@ def drop_torn_tail(path: str) -> int:
     return len(data) - keep
 
 
-# -----------------------------------------------------------------------------
-# Setup: distributed init (ranks only share a barrier; no collective in the loop)
-
-def setup_distributed(seed: int):
-    """RANK / LOCAL_RANK / WORLD_SIZE from torchrun, or one process. Returns
-    (rank, world, device, barrier). gloo even on GPUs: the only collective is a barrier
-    before the summary, and ranks may reach it hours apart, hence the long timeout."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        dist.init_process_group("gloo", timeout=timedelta(days=7))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    torch.manual_seed(seed + rank)
-    barrier = dist.barrier if world > 1 else (lambda: None)
-    return rank, world, device, barrier
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
@@ -268,7 +247,10 @@ def main(argv=None):
         refresh_exemplars(args.exemplars, args.exec_timeout)
         print(f"rewrote the output blocks of {args.exemplars}")
         return
-    rank, world, device, barrier = setup_distributed(args.seed)
+    # gloo even on GPUs: the only collectives are two barriers, which ranks may reach hours
+    # apart (hence the long timeout); none runs inside the rollout loop
+    rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
+    barrier = dist.barrier if world > 1 else (lambda: None)
 
     def print0(*a):
         if rank == 0:
@@ -346,9 +328,7 @@ def main(argv=None):
         summary["args"] = vars(args)
         ex.write_json_atomic(summary_path, summary)
         print(json.dumps({k_: v for k_, v in summary.items() if k_ != "args"}, indent=2))
-    if world > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    cleanup_distributed()
 
 
 if __name__ == "__main__":

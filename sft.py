@@ -48,11 +48,12 @@ from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT
 # Distributed setup
 
 
-def setup_distributed(seed: int):
+def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     """Read RANK / LOCAL_RANK / WORLD_SIZE (torchrun) or fall back to one process.
 
-    Initialises the process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU), picks the
-    device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
+    Initialises the process group when WORLD_SIZE > 1 (`backend`, default nccl on CUDA and
+    gloo on CPU; `timeout` a datetime.timedelta for its collectives, default torch's), picks
+    the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
     Returns (rank, local_rank, world_size, device).
     """
     rank = int(os.environ.get("RANK", 0))
@@ -64,7 +65,8 @@ def setup_distributed(seed: int):
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
     _seed_all(seed + rank)
     return rank, local_rank, world_size, device
 
