@@ -221,7 +221,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=0, help="model tokens per sample; 0 = no limit")
     p.add_argument("--max-tool-calls", type=int, default=40, help="executed blocks per sample")
     p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds, wall clock, per block")
-    p.add_argument("--sandbox-workers", type=int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    p.add_argument("--exec-workers", type=int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
     # filter
     p.add_argument("--min-blocks", type=int, default=3, help="rule (iii): at least this many code blocks")
     p.add_argument("--max-plan-share", type=float, default=0.5,
@@ -287,7 +287,7 @@ def main(argv=None):
 
     # 2) teacher and sandbox
     model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
-    workers = args.sandbox_workers or max(1, (os.cpu_count() or 1) // world)
+    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
     filt = dict(min_blocks=args.min_blocks, max_plan_share=args.max_plan_share,
                 require_stop=not args.allow_unfinished)
     t0, n_new, n_kept = time.time(), 0, 0

@@ -489,7 +489,7 @@ def merged_samples(out_dir: str) -> dict:
 
 # arguments that change what a sample is: a run folder is only resumed with the same ones
 SAMPLING_ARGS = ("model", "dtype", "temperature", "top_p", "top_k", "max_context",
-                 "max_new_tokens", "max_tool_calls", "seed", "block_timeout")
+                 "max_new_tokens", "max_tool_calls", "seed", "exec_timeout")
 
 
 def parse_args(argv=None):
@@ -524,9 +524,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=4, help="problems per rollout call (a wave "
                    "of batch-size x k sequences shares the KV cache, per rank); lower it if out "
                    "of memory. Part of what makes a sample reproducible (see waves)")
-    p.add_argument("--sandbox-workers", type=int, default=0,
+    p.add_argument("--exec-workers", type=int, default=0,
                    help="code blocks run at once, per rank; 0 = CPUs / local ranks")
-    p.add_argument("--block-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
+    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
     # no model
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
                    "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
@@ -537,8 +537,8 @@ def parse_args(argv=None):
         for name in ("k", "batch_size"):
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
-        if args.limit < 0 or args.sandbox_workers < 0:
-            p.error("--limit and --sandbox-workers must be >= 0")
+        if args.limit < 0 or args.exec_workers < 0:
+            p.error("--limit and --exec-workers must be >= 0")
         if args.model is None:
             from executor import DEFAULT_POLICY
             args.model = DEFAULT_POLICY
@@ -724,9 +724,9 @@ def run(args) -> None:
             os.makedirs(args.out, exist_ok=True)
             drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
-            workers = args.sandbox_workers or max(1, (os.cpu_count() or 1)
+            workers = args.exec_workers or max(1, (os.cpu_count() or 1)
                                                   // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-            with ex.Sandbox(workers=workers, timeout=args.block_timeout) as sandbox:
+            with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
                     t0 = time.time()
                     prompts = [ex.build_prompt_ids(tok, q["problem"]) for q in w["problems"]]

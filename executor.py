@@ -47,6 +47,7 @@ from fractions import Fraction
 
 SANDBOX_STATUSES = ("ok", "error", "timeout", "memory", "killed")
 MAX_BLOCK_PROCS = 64  # processes one block may hold at once (see _read_block)
+MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
 
 
 class SandboxError(RuntimeError):
@@ -211,7 +212,10 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
                 t.stack = traceback.StackSummary.from_list(
                     [f for f in t.stack if f.filename != _SANDBOX_FILE])
                 todo += [t.__cause__, t.__context__]
-            stream.write("".join(te.format()))
+            try:
+                stream.write("".join(te.format()))
+            except Exception:  # the block closed its own stdout: the status line still tells
+                pass
             kind = {"KeyboardInterrupt": "timeout", "MemoryError": "memory"}.get(type(e).__name__, "error")
             finish(kind, type(e).__name__)
         finish("ok")
@@ -231,10 +235,11 @@ def _template_main(slot_fds, preimports):  # runs in the template process, stdli
             req = json.loads(msg)
             pid = os.fork()
             if pid == 0:
+                real_exit = os._exit  # the block replaces os._exit with its reporting version
                 try:
                     child(req, fds[0], fds[1])
                 finally:
-                    os._exit(70)
+                    real_exit(70)
             for fd in fds:
                 os.close(fd)
             running[pid] = s
@@ -391,7 +396,12 @@ class Sandbox:
     # -- running blocks -----------------------------------------------------------
     def run(self, code: str) -> ExecResult:
         """Run one block (a complete program) and return what the model should see.
-        Thread-safe. Raises SandboxError if the sandbox itself fails twice in a row."""
+        Thread-safe. A block longer than MAX_CODE_BYTES is not run and gets an error result.
+        Raises SandboxError if the sandbox itself fails twice in a row."""
+        size = len(code.encode("utf-8", "replace"))
+        if size > MAX_CODE_BYTES:  # the request travels as one socket message
+            return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
+                              f"{MAX_CODE_BYTES} bytes. Write shorter code.", status="error")
         for attempt in range(2):
             generation = self._generation
             if self._closed or self._proc is None:
@@ -472,7 +482,8 @@ class Sandbox:
                     os.close(fd)
             shutil.rmtree(cwd, ignore_errors=True)
         info = json.loads(status_msg) if status_msg else None
-        note, status = _describe(info, exit_status, timed_out, self.timeout, too_many)
+        note, status = _describe(info, exit_status, timed_out, self.timeout, too_many,
+                                 silent=capture.total == 0)
         return ExecResult(output=_join_output(capture, note, self.max_output_chars),
                           status=status, seconds=time.monotonic() - t0)
 
@@ -642,9 +653,10 @@ def _signal_group(pid, sig):
         pass
 
 
-def _describe(info, exit_status, timed_out, timeout, too_many=False):
+def _describe(info, exit_status, timed_out, timeout, too_many=False, silent=False):
     """The status of a finished block and a last line that says, in words a model can act
-    on, why it stopped (empty for a normal finish). Returns (note, status)."""
+    on, why it stopped (empty for a normal finish). `silent`: the block printed nothing.
+    Returns (note, status)."""
     kind = info["kind"] if info else None
     if too_many:
         return (f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes "
@@ -653,8 +665,8 @@ def _describe(info, exit_status, timed_out, timeout, too_many=False):
         return f"TimeoutError: the block ran longer than {timeout:g} s and was stopped.", "timeout"
     if kind == "ok":
         return "", "ok"
-    if kind in ("error", "timeout"):
-        return "", "error"
+    if kind in ("error", "timeout"):  # its traceback is in the output, unless it closed stdout
+        return (f"[the block raised {info['detail']}]" if silent else ""), "error"
     if kind == "memory":
         return "(The block hit its memory limit.)", "memory"
     if kind in ("exit", "os_exit"):
@@ -995,6 +1007,7 @@ class _Row:
         self.finish, self.code = None, None  # finish reason; code waiting to run
         self.plan_text = None
         self.plan_tokens, self.starts = None, []  # model tokens of the plan; their char offsets
+        self.seg_starts = []  # where each model token of the current segment starts in scanner.text
 
 
 def _pad_left(seqs, pad_id, device):
@@ -1056,6 +1069,10 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     import torch
     from transformers import DynamicCache
 
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("rollout: every prompt needs at least one token")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     stops = stop_token_ids(tokenizer, model)
@@ -1141,6 +1158,7 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
         return finish(r, "stop")
     if r.plan_tokens is None:
         r.starts.append(len(r.scanner.text))
+    r.seg_starts.append(len(r.scanner.text))
     hit = r.scanner.feed(piece(t))
     if r.plan_tokens is None and r.scanner.open_at is not None:
         # the plan is every model token that starts before the first ```python line
@@ -1152,6 +1170,8 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
             return finish(r, "stop")
         if r.tool_calls >= max_tool_calls:
             return finish(r, "tool_budget")
+        if max_new_tokens and r.n_model >= max_new_tokens:  # no room left to use the output
+            return finish(r, "length")
         r.code = r.scanner.text[r.scanner.code_start:r.scanner.code_end]
         return
     if len(r.ids) >= max_context or (max_new_tokens and r.n_model >= max_new_tokens):
@@ -1159,18 +1179,28 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
 
 
 def _trim_to_fence(r, cut, tokenizer):
-    """Text after a fence inside the fence's own token (e.g. '```\\nThe') is not kept:
-    that token is replaced by the environment's tokens for the text up to the fence."""
+    """Keep only the model text up to `cut` (the end of a closing fence, or the start of an
+    ```output fence the model wrote itself). Whitespace after a closing fence inside its own
+    token is kept; anything else after the cut is dropped: tokens that start after it are
+    removed, and a token that straddles it is replaced by the environment's tokens for its
+    part before the cut (e.g. '```\\nThe' becomes '```', role output)."""
     sc = r.scanner
-    tail = sc.text[cut:]
-    if not tail.strip():
+    if not sc.text[cut:].strip():
         return
-    last = tokenizer.decode([r.ids[-1]])
-    kept = sc.text[len(sc.text) - len(last):cut] if len(last) <= len(sc.text) else sc.text[:cut]
-    for lst in (r.ids, r.roles, r.logprobs):
-        lst.pop()
-    r.n_model -= 1
-    new = tokenizer.encode(kept, add_special_tokens=False) if kept else []
+
+    def pop():
+        for lst in (r.ids, r.roles, r.logprobs):
+            lst.pop()
+        r.n_model -= 1
+        return r.seg_starts.pop()
+
+    end = len(sc.text)  # where the last remaining token ends
+    while r.seg_starts and r.seg_starts[-1] >= cut:  # wholly after the cut
+        end = pop()
+    straddle = None
+    if r.seg_starts and end > cut:  # text on both sides of the cut
+        straddle = sc.text[pop():cut]
+    new = tokenizer.encode(straddle, add_special_tokens=False) if straddle else []
     r.ids += new
     r.roles += [ROLE_OUTPUT] * len(new)
     r.logprobs += [float("nan")] * len(new)
@@ -1189,12 +1219,14 @@ def _run_pending(batch_rows, sandbox, tokenizer, max_context, finish):
         lead = "" if r.scanner.text.endswith("\n") else "\n"
         chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
         if len(r.ids) + len(chunk) >= max_context:
+            r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
+            r.tool_calls -= 1
             finish(r, "length")
             continue
         r.ids += chunk
         r.roles += [ROLE_OUTPUT] * len(chunk)
         r.logprobs += [float("nan")] * len(chunk)
-        r.scanner = _FenceScanner()
+        r.scanner, r.seg_starts = _FenceScanner(), []
         r.seg_start = len(r.ids)
 
 
@@ -1221,12 +1253,14 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
 # Files: problems in, samples out (shared by every stage)
 
 _PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth", "solution")
+# MATH-style files have a worked `solution` whose final \boxed{} is the answer
 
 
 def read_problems(path: str) -> list:
     """Read a problems JSONL: one {"id", "problem", "answer"} object per line; extra fields
-    are kept. `question` and `ground_truth` / `solution` are accepted as the problem and
-    answer fields. A missing id becomes "<file stem>-<line>". Blank lines are skipped.
+    are kept. `question` is accepted for the problem, `ground_truth` for the answer, and a
+    worked `solution` (MATH) whose last \boxed{} is taken as the answer. A missing id
+    becomes "<file stem>-<line>". Blank lines are skipped.
 
     Raises:
         FileNotFoundError: no such file.
@@ -1249,7 +1283,12 @@ def read_problems(path: str) -> list:
                 key = next((k for k in keys if row.get(k) not in (None, "")), None)
                 if key is None:
                     raise ValueError(f"{path}:{lineno}: missing field '{field}' (or one of {keys[1:]})")
-                row[field] = str(row[key])
+                value = str(row[key])
+                if key == "solution":
+                    value = extract_answer(value, prose_only=False)
+                    if value is None:
+                        raise ValueError(f"{path}:{lineno}: field 'solution' has no \\boxed{{}} answer")
+                row[field] = value
             row["id"] = str(row.get("id", f"{stem}-{lineno}"))
             out.append(row)
     return out
@@ -1569,6 +1608,22 @@ _INT_POW = re.compile(r"^(-?)(\d+)\^(?:\{(\d+)\}|(\d))$")   # -2^{2} is -(2^2)
 def _as_int(s: str):
     """int if s is a plain integer (after normalisation), else None."""
     return int(s) if _INT.match(s) else None
+
+
+def _integer_candidate(p: str) -> str:
+    """For an integer gold, the part of a normalised prediction that states the number:
+    outer `{}` / `()` removed, a trailing `,` dropped, the right side of the last `=`
+    (`m+n=70`), and a trailing word of two or more letters dropped (`70ways`, `70cm`)."""
+    for _ in range(3):
+        p = p.rstrip(",")
+        if len(p) > 2 and (p[0], p[-1]) in (("{", "}"), ("(", ")")) and _as_int(p[1:-1]) is not None:
+            p = p[1:-1]
+        if "=" in p:
+            p = p.rsplit("=", 1)[1]
+        m = re.fullmatch(r"(-?\d+)[a-zA-Z]{2,}", p)
+        if m:
+            p = m.group(1)
+    return p
 
 
 def _grade_integer(p: str, gold: int) -> bool:
@@ -2160,14 +2215,19 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     seconds allowed for the sympy step (rule 5); exceeding it counts as wrong. Safe to
     call from any thread. Raises RuntimeError only if the sympy helper cannot start.
     """
-    if pred is None or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+    if pred is None:
+        return False
+    pred, gold = str(pred), str(gold)
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     p, g = normalize_answer(pred), normalize_answer(gold)
     if not p or not g:
         return False
     gi = _as_int(g)
     if gi is not None:
-        return _grade_integer(p, gi)
+        if re.search(r"\d\s+\d", pred):  # "7 0" is not 70
+            return False
+        return _grade_integer(_integer_candidate(p), gi)
     if p == g:
         return True
     if _WORD.match(p) or _WORD.match(g):

@@ -206,7 +206,7 @@ def test_prompt_round_trips_through_chat_template(tokenizer, exemplars):
 def cli(tiny_dir, data, out, *extra):
     return ([sys.executable, os.path.join(ROOT, "distill.py"), "--teacher", tiny_dir, "--data", data,
              "--out", out, "--samples-per-problem", "2", "--max-new-tokens", "24", "--max-context", "8000",
-             "--max-tool-calls", "2", "--sandbox-workers", "1", *extra],
+             "--max-tool-calls", "2", "--exec-workers", "1", *extra],
             dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
 
 

@@ -285,3 +285,37 @@ def test_answer_is_taken_from_model_text_only(tokenizer, sandbox):
     s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
     assert s.ids == full and s.blocks[0]["output"] == "\\boxed{42}\n"
     assert s.pred is None
+
+
+def test_model_written_output_fence_is_cut_whole(tokenizer, sandbox):
+    """The model writes an ```output block itself (no python block ran): the turn ends
+    where that fence starts, and none of its tokens are kept as model output."""
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = enc(tok, "q:")
+    seg = enc(tok, "The answer:\n")
+    full = prompt + seg + enc(tok, "```output\n42\n```\n") + [eos]
+    model = Scripted(tiny.make_model(tok), [full], eos)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
+    assert s.finish_reason == "stop" and s.blocks == []
+    assert s.ids == prompt + seg and s.text == "The answer:\n"
+
+
+def test_budget_edges(tokenizer, sandbox):
+    tok = tokenizer
+    eos = tok.eos_token_id
+    prompt = enc(tok, "q:")
+    seg = enc(tok, "```python\nprint(7)\n```")
+    out = enc(tok, "\n```output\n7\n```\n")
+    full = prompt + seg + out + enc(tok, "\\boxed{7}") + [eos]
+    model = Scripted(tiny.make_model(tok), [full], eos)
+    # the block closes exactly at the new-token budget: no room to use its output
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_new_tokens=len(seg))[0]
+    assert s.finish_reason == "length" and s.blocks == [] and s.n_model_tokens == len(seg)
+    # the output block does not fit the context: the block is not recorded as seen
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_context=len(prompt + seg) + 3)[0]
+    assert s.finish_reason == "length" and s.blocks == [] and s.ids == prompt + seg
+    # a prompt already at the context budget ends at once; no prompts, no samples
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_context=len(prompt))[0]
+    assert s.finish_reason == "length" and s.ids == prompt
+    assert ex.rollout(model, tok, [], sandbox) == []

@@ -23,7 +23,7 @@ B1 = [{"id": "p1", "problem": "What is 1 + 1?", "answer": "2"},
       {"id": "p2", "problem": "How many integers up to 100 are divisible by 3 or 5?", "answer": "47"}]
 B2 = [{"id": "q1", "problem": "Compute 1 + 2 + ... + 10.", "answer": "55"}]
 SAMPLING = ["--k", "2", "--temperature", "1.0", "--max-context", "600", "--max-new-tokens", "24",
-            "--max-tool-calls", "2", "--batch-size", "2", "--sandbox-workers", "1"]
+            "--max-tool-calls", "2", "--batch-size", "2", "--exec-workers", "1"]
 
 
 def _write_jsonl(path, rows):

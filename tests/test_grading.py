@@ -241,3 +241,14 @@ def test_grade_never_raises_on_junk(junk):
         assert grade(junk, gold, timeout=SLOW_OK) in (True, False)
         assert grade(gold, junk, timeout=SLOW_OK) in (True, False)
     assert grade(None, "70") is False
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("pred, right", [
+    ("{70}", True), ("(70)", True), ("70,", True), ("m+n=70", True), ("70 ways", True),
+    ("70cm", True), (70, True), ("7 0", False), ("70x", False), ("(71)", False), ("m+n=71", False),
+])
+def test_integer_gold_wrappers_and_words(pred, right):
+    """Wrappers a model puts around an integer answer are read through; digits split by a
+    space, a trailing variable or a wrong number are not."""
+    assert grade(pred, "70") is right

@@ -800,3 +800,17 @@ def test_thousand_blocks_in_parallel(tmpdir_for_blocks):
         else:
             assert r.output.startswith(f"{i}\n"), (i, r.output)
             assert (f"ValueError: bad {i}" if k == "error" else "TimeoutError") in r.output
+
+
+@pytest.mark.timeout(30)
+def test_oversized_block_is_an_error_result_not_a_sandbox_failure(sb):
+    r = sb.run("x = 1\n" + "# " + "é" * 200_000 + "\nprint(x)")
+    assert r.status == "error" and "limit" in r.output
+    assert sb.run("print(3)").output == "3\n"
+
+
+@pytest.mark.timeout(30)
+def test_block_that_closes_its_stdout_is_reported_plainly(sb):
+    r = sb.run("import sys\nsys.stdout.close()\nprint('x')")
+    assert r.status == "error"
+    assert "os._exit" not in r.output
