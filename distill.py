@@ -178,22 +178,6 @@ def sibling(out: str, suffix: str) -> str:
     return stem + suffix
 
 
-def drop_torn_tail(path: str) -> int:
-    """Cut a last line that has no newline (a write interrupted by a kill), so that the
-    next append starts a fresh line. Returns the bytes removed."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb+") as f:
-        data = f.read()
-        if not data or data.endswith(b"\n"):
-            return 0
-        keep = data.rfind(b"\n") + 1
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data) - keep
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
@@ -261,7 +245,7 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         for path in (out, rejected_path):
-            if cut := drop_torn_tail(path):
+            if cut := ex.drop_torn_tail(path):
                 print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)
     barrier()  # no rank reads or appends before the torn lines are gone
 

@@ -635,21 +635,6 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
                              "the data now has: use another --out")
 
 
-def drop_torn_tail(path: str) -> None:
-    """Cut a torn last line (a write killed midway) off a JSONL this rank appends to, so
-    that new lines do not follow a broken one."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-# -----------------------------------------------------------------------------
-# Report
-
-
 def write_report(out_dir: str, args_dict: dict) -> dict:
     """Metrics of out_dir/samples.jsonl: writes metrics.json ({"args": args_dict,
     "benchmarks"}) and metrics.md, prints the tables, warns when most samples of a
@@ -722,7 +707,7 @@ def run(args) -> None:
         if todo:
             my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
             os.makedirs(args.out, exist_ok=True)
-            drop_torn_tail(my_file)
+            ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             workers = args.exec_workers or max(1, (os.cpu_count() or 1)
                                                   // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -1308,6 +1308,33 @@ def append_jsonl(path: str, rows) -> None:
         os.close(fd)
 
 
+def drop_torn_tail(path: str) -> int:
+    """Cut a last line that has no newline (a write interrupted by a kill) off a JSONL, so
+    the next append starts a fresh line. Reads only the file's tail. Returns bytes removed."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return 0
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos = end
+        while pos > 0:  # find the last newline, 64 KiB at a time from the end
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            i = f.read(step).rfind(b"\n")
+            if i >= 0:
+                pos = pos - step + i + 1
+                break
+            pos -= step
+        f.truncate(pos)
+        f.flush()
+        os.fsync(f.fileno())
+    return end - pos
+
+
 def read_jsonl_tolerant(path: str) -> list:
     """Read a JSONL this project appended to, ignoring a torn last line (a run killed in
     the middle of a write); any other bad line raises ValueError naming file and line."""

@@ -93,3 +93,13 @@ def test_math_style_solution_field_gives_its_boxed_answer(tmp_path):
         ex.read_problems(p)
     p = write(tmp_path / "m1.jsonl", json.dumps({"problem": "x?", "solution": "So $x = \\boxed{\\frac{1}{2}}$."}) + "\n")
     assert ex.read_problems(p)[0]["answer"] == "\\frac{1}{2}"
+
+
+def test_drop_torn_tail_cuts_only_an_unterminated_last_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b'{"a": 1}\n' + b'{"b": "' + b"x" * 200_000)  # a torn line longer than one read
+    assert ex.drop_torn_tail(str(p)) == 200_007
+    assert p.read_bytes() == b'{"a": 1}\n'
+    assert ex.drop_torn_tail(str(p)) == 0
+    p.write_bytes(b'{"only": "torn"')
+    assert ex.drop_torn_tail(str(p)) == 15 and p.read_bytes() == b""
