@@ -155,8 +155,11 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     if world == 1:
         return model
     if not fsdp:
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of a
+        # second copy (one model's worth of memory; the 2-rank CPU demo needs it)
         return nn.parallel.DistributedDataParallel(
-            LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None)
+            LogprobModel(model), device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world,))
