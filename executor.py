@@ -1355,6 +1355,14 @@ def read_jsonl_tolerant(path: str) -> list:
     return rows
 
 
+def trim_jsonl_steps(path: str, last_step: int) -> None:
+    """Drop the lines of a per-step log whose "step" is after `last_step`, atomically: a
+    run resumed from that step redoes them, so no step is logged twice."""
+    if os.path.exists(path):
+        rows = [r for r in read_jsonl_tolerant(path) if r.get("step", 0) <= last_step]
+        write_json_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON (or a str) to path via a temp file in the same folder and a rename."""
     d = os.path.dirname(os.path.abspath(path))

@@ -623,13 +623,6 @@ def budget_warning(metrics) -> str | None:
 # Training loop
 
 
-def _trim_jsonl(path: str, last_step: int):
-    """Drop records of steps after `last_step` (a resumed run redoes them)."""
-    if os.path.exists(path):
-        rows = [r for r in executor.read_jsonl_tolerant(path) if r.get("step", 0) <= last_step]
-        executor.write_json_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
 def main(argv=None, reward_fn=None):
     """Run GRPO from the command line. `reward_fn` (sample, problem) -> float replaces the
     paper's reward when called from Python (tests); the command line always uses it."""
@@ -686,7 +679,7 @@ def main(argv=None, reward_fn=None):
                                                                 if args.reset_optimizer else ""))
         if rank == 0:
             for name in ("metrics.jsonl", "pass_rates.jsonl"):
-                _trim_jsonl(os.path.join(args.out, name), step)
+                executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     def save(name):
         state = {"step": step, "optimizer": optimizer.state_dict(), "data": stream.state_dict(),

@@ -655,6 +655,8 @@ def main(argv=None):
         _set_rng_state(st["rng"])
         step = st["step"]
         print0(f"resumed from {args.resume} at step {step}")
+        if rank == 0:
+            executor.trim_jsonl_steps(os.path.join(args.out, "log.jsonl"), step)
 
     def save(name):
         state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -664,7 +666,7 @@ def main(argv=None):
     # 3) the loop: one optimizer step per global batch
     from tqdm import tqdm
     bar = tqdm(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft", unit="step")
-    log = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
+    log = os.path.join(args.out, "log.jsonl") if rank == 0 else None
     model.train()
     while step < total:
         t0 = time.perf_counter()
@@ -686,16 +688,13 @@ def main(argv=None):
                "lr": lr, "grad_norm": float(grad_norm), "loss_tokens": int(m["n_loss_tokens"]),
                "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            executor.append_jsonl(log, [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
         bar.update(1)
         if args.save_every and step % args.save_every == 0 and step < total:
             save(f"step_{step:06d}")
     bar.close()
     save("final")
-    if log is not None:
-        log.close()
     print0(f"saved {os.path.join(args.out, 'final')}")
     cleanup_distributed()
 

@@ -298,6 +298,9 @@ def test_resume_is_exact(tmp_path, tiny_dir):
     assert set(la[0]) >= {"loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
     w0 = load_file(os.path.join(tiny_dir, "model.safetensors"))
     assert any(not torch.equal(w0[k], wa[k]) for k in wa)  # it did train
+    # resuming into the same folder redoes steps 3-4 without logging them twice
+    sft.main(common + ["--out", a, "--resume", os.path.join(a, "step_000002")])
+    assert [json.loads(x)["step"] for x in open(f"{a}/log.jsonl")] == [1, 2, 3, 4]
 
 
 _TWO_RANKS = """
