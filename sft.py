@@ -517,6 +517,10 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     _barrier()
     sd = _full_state_dict(model)
     if trainer_state is not None:
+        if rank != 0 and sd is None and "optimizer" in trainer_state:
+            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
+            # of memory and disk three times over saved per extra rank); RNG stays per rank
+            trainer_state = {k: v for k, v in trainer_state.items() if k != "optimizer"}
         torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
     if rank == 0:
         lm = unwrap_model(model)
@@ -552,7 +556,13 @@ def load_trainer_state(ckpt_dir: str, rank: int | None = None) -> dict:
         path = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no trainer state in {ckpt_dir}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
+    if "optimizer" not in state and path != rank0:  # a DDP rank > 0: the optimizer is rank 0's
+        r0 = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True)
+        if "optimizer" in r0:
+            state["optimizer"] = r0["optimizer"]
+    return state
 
 
 def _rng_state() -> dict:

@@ -419,3 +419,18 @@ def test_sft_ids_equal_engine_ids_whatever_the_fence_tokenization(fence_tokens):
     model_ids = [i for i, r in zip(ex["ids"], ex["roles"]) if r == executor.ROLE_MODEL]
     merged = tok.convert_tokens_to_ids("`\n") if fence_tokens else None
     assert (model_ids.count(merged) == 2) if fence_tokens else True
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_resume_is_exact(tmp_path, tiny_dir):
+    """DDP ranks > 0 save no optimizer copy (it is rank 0's); a 2-rank resume still
+    continues bit-exactly."""
+    data = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(8))
+    common = ["--model", tiny_dir, "--data", data, "--global-batch", "2", "--micro-batch", "1",
+              "--max-steps", "4", "--warmup", "0.25", "--lr", "1e-3", "--no-progress"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    torchrun(os.path.join(ROOT, "sft.py"), common + ["--out", a, "--save-every", "2"], timeout=110)
+    assert "optimizer" not in torch.load(f"{a}/step_000002/trainer_state_rank1.pt", weights_only=False)
+    torchrun(os.path.join(ROOT, "sft.py"), common + ["--out", b, "--resume", f"{a}/step_000002"], timeout=110)
+    wa, wb = load_file(f"{a}/final/model.safetensors"), load_file(f"{b}/final/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
