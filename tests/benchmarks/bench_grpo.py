@@ -70,7 +70,11 @@ def bench_trl(lm, tok, problems, a):
     cfg = GRPOConfig(output_dir="/tmp/bench_trl", num_generations=a.group, per_device_train_batch_size=a.prompts * a.group,
                      max_completion_length=a.new_tokens, temperature=1.0, beta=0.0, epsilon=0.20, epsilon_high=0.28,
                      loss_type="dapo", learning_rate=1e-6, max_steps=a.steps, logging_steps=1, report_to=[],
-                     save_strategy="no", use_cpu=not torch.cuda.is_available())
+                     save_strategy="no", use_cpu=not torch.cuda.is_available(),
+                     # the same numerics and work as grpo.py's side: bf16 autocast on CUDA only (fp32 on CPU),
+                     # no gradient checkpointing. TRL's own defaults (bf16=True everywhere, checkpointing on)
+                     # would compare a bf16 CPU step against an fp32 one.
+                     bf16=torch.cuda.is_available(), gradient_checkpointing=False, disable_tqdm=True)
     times = []
 
     from transformers import TrainerCallback
