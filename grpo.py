@@ -351,9 +351,6 @@ class _TimedSandbox:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def run(self, code):
-        return self.run_many([code])[0]
-
 
 def mix_seed(*xs) -> int:
     """A deterministic seed from integers (step, rank, round, ...): resuming at a step
