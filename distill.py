@@ -291,7 +291,7 @@ def main(argv=None):
                 for j in range(k):
                     if (p["id"], j) in done:
                         continue
-                    row = ex.sample_record(p, samples[i * k + j], tokenizer)
+                    row = ex.sample_record(p, samples[i * k + j])
                     row.update(sample_idx=j, plan_share=plan_share(row))
                     reasons = filter_reasons(row, **filt)
                     if reasons:

@@ -728,7 +728,7 @@ def run(args) -> None:
                         for j in range(args.k):
                             if (w["benchmark"], q["id"], j) in done:
                                 continue
-                            row = ex.sample_record(q, samples[i * args.k + j], tok)  # seed = the call's
+                            row = ex.sample_record(q, samples[i * args.k + j])  # seed = the call's
                             row.update(benchmark=w["benchmark"], sample_idx=j, rollout_ids=ids,
                                        rollout_n=args.k)
                             rows.append(row)

@@ -45,7 +45,6 @@ from fractions import Fraction
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers
 
-SANDBOX_STATUSES = ("ok", "error", "timeout", "memory", "killed")
 MAX_BLOCK_PROCS = 64  # processes one block may hold at once (see _read_block)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
 
@@ -1375,12 +1374,11 @@ def write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def sample_record(problem: dict, sample, tokenizer) -> dict:
+def sample_record(problem: dict, sample) -> dict:
     """The trajectory / sample JSONL row of the design card: the problem's fields, then
     completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
     completion_tokens (model + output tokens), model_tokens, plan_tokens (sampled tokens
-    before the first ```python line), blocks and the rollout seed. `tokenizer` is unused
-    and kept for callers that pass it."""
+    before the first ```python line), blocks and the rollout seed."""
     row = dict(problem)
     comp_tokens = len(sample.ids) - len(sample.prompt_ids)
     row.update(completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),

@@ -131,7 +131,7 @@ def test_answer_printed_only_by_code_is_not_the_models(tokenizer, sandbox):
         model = Scripted(base, script_ids(tokenizer, prompt, comp), tokenizer.eos_token_id)
         s = ex.rollout(model, tokenizer, [prompt], sandbox, temperature=0.0, max_context=2000)[0]
         assert s.text == comp and [b["output"] for b in s.blocks] == ["\\boxed{42}\n"] * 3
-        row = ex.sample_record(problem, s, tokenizer)
+        row = ex.sample_record(problem, s)
         assert distill.filter_reasons(row) == want, (final, row["pred"])
 
 
@@ -148,7 +148,7 @@ def test_exemplars_replay_through_engine(tokenizer, exemplars, sandbox):
         s = ex.rollout(model, tokenizer, [prompt], sandbox, temperature=0.0, max_context=len(script) + 10)[0]
         assert s.text == e["completion"], e["id"]
         assert s.ids == script and s.pred == e["answer"] and s.finish_reason == "stop"
-        row = ex.sample_record(e, s, tokenizer)
+        row = ex.sample_record(e, s)
         assert distill.filter_reasons(row) == [], e["id"]
 
 
