@@ -23,6 +23,7 @@ Departures from the paper (it does not describe its executor):
 """
 import argparse
 import atexit
+import functools
 import inspect
 import json
 import math
@@ -1022,6 +1023,75 @@ def _pad_left(seqs, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
+def _kv_cache(model):
+    """A transformers DynamicCache whose full-attention layers keep their keys and values
+    in a preallocated slab (`_slab_layer_class`); sliding-window layers keep their own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    cache = DynamicCache(config=model.config)
+    slab = _slab_layer_class()
+    cache.layers = [slab() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _slab_layer_class():
+    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
+    >= S that doubles when full; the model reads the view [:, :, :S].
+
+    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
+    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
+    slab costs O(T) amortised. Unlike a static cache the length is not fixed in advance (a
+    rollout's final length is unknown) and attention reads only the filled part.
+    """
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states):
+            self.device, self.n, self.is_initialized = key_states.device, 0, True
+            self.k_slab = self.v_slab = key_states.new_empty(key_states.shape[:2] + (0, key_states.shape[3]))
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.n + key_states.shape[-2]
+            if end > self.k_slab.shape[-2]:
+                self.k_slab, self.v_slab = (self._grown(s, max(256, 2 * end)) for s in (self.k_slab, self.v_slab))
+            self.k_slab[:, :, self.n:end] = key_states
+            self.v_slab[:, :, self.n:end] = value_states
+            self.n = end
+            return self._view()
+
+        def _grown(self, slab, capacity):
+            new = slab.new_empty(slab.shape[:2] + (capacity, slab.shape[3]))
+            new[:, :, :self.n] = slab[:, :, :self.n]
+            return new
+
+        def _view(self):
+            self.keys, self.values = self.k_slab[:, :, :self.n], self.v_slab[:, :, :self.n]
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.n if self.is_initialized else 0
+
+        def crop(self, tokens_to_remove):
+            raise NotImplementedError("the rollout engine never crops its KV cache")
+
+        def batch_repeat_interleave(self, repeats):
+            if self.get_seq_length() > 0:
+                self.k_slab, self.v_slab = (s[:, :, :self.n].repeat_interleave(repeats, dim=0)
+                                           for s in (self.k_slab, self.v_slab))
+                self._view()
+
+        def batch_select_indices(self, indices):
+            if self.get_seq_length() > 0:
+                self.k_slab, self.v_slab = self.k_slab[indices], self.v_slab[indices]
+                self._view()
+
+    return SlabLayer
+
+
 def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
     """Append one ragged chunk per row to the KV cache and return the last logits.
 
@@ -1066,7 +1136,6 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         SandboxError: the sandbox itself failed.
     """
     import torch
-    from transformers import DynamicCache
 
     if not prompts:
         return []
@@ -1096,7 +1165,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
 
     with torch.inference_mode():
         # 1) prefill each distinct prompt once, then give every sample its own cache rows
-        cache = DynamicCache(config=model.config)
+        cache = _kv_cache(model)
         n_real = torch.zeros(len(prompts), dtype=torch.long, device=device)
         mask = torch.zeros((len(prompts), 0), dtype=torch.long, device=device)
         logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p) for p in prompts], n_real, pad_id)

@@ -109,13 +109,15 @@ def test_g1_ragged_batch_equals_each_prompt_alone_and_naive_loop(model, tokenize
         assert s.finish_reason == "length" and s.n_model_tokens == 32
 
 
-def test_g8_chunk_on_nonempty_cache_matches_full_forward(model, tokenizer):
+@pytest.mark.parametrize("make_cache", [ex._kv_cache, lambda m: DynamicCache(config=m.config)],
+                         ids=["slab", "dynamic"])
+def test_g8_chunk_on_nonempty_cache_matches_full_forward(model, tokenizer, make_cache):
     """Ragged chunks (k > 1) fed on top of a cache with holes in its mask give the logits
     of one no-cache forward over each row's real tokens."""
     rows = [enc(tokenizer, "for a in range(1, 101):"), enc(tokenizer, "print(len(s))")]
     chunks = [enc(tokenizer, "\n```output\n70\n```\n"), enc(tokenizer, " 12")]
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
+        cache = make_cache(model)
         mask = torch.zeros((2, 0), dtype=torch.long)
         n_real = torch.zeros(2, dtype=torch.long)
         _, mask, n_real = ex._forward_chunk(model, cache, mask, rows, n_real, tokenizer.pad_token_id)
@@ -319,3 +321,34 @@ def test_budget_edges(tokenizer, sandbox):
     s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_context=len(prompt))[0]
     assert s.finish_reason == "length" and s.ids == prompt
     assert ex.rollout(model, tok, [], sandbox) == []
+
+
+def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(model):
+    """The engine's slab KV cache holds exactly what transformers' DynamicCache holds after
+    chunked writes past its first capacity (256), batch_repeat_interleave and
+    batch_select_indices, and reports the same length."""
+    torch.manual_seed(0)
+    slab, ref = ex._kv_cache(model), DynamicCache(config=model.config)
+    assert type(slab.layers[0]).__name__ == "SlabLayer"
+    kv_heads, dim = model.config.num_key_value_heads, model.config.head_dim
+
+    def write(b, length):
+        k, v = torch.randn(b, kv_heads, length, dim), torch.randn(b, kv_heads, length, dim)
+        for c in (slab, ref):
+            for i in range(len(c.layers)):
+                out = c.update(k, v, i)
+        return out
+
+    write(2, 40)
+    slab.batch_repeat_interleave(3)
+    ref.batch_repeat_interleave(3)
+    for length in [1] * 20 + [100, 150, 1]:  # crosses 256 and 512
+        got = write(6, length)
+    idx = torch.tensor([0, 2, 5])
+    slab.batch_select_indices(idx)
+    ref.batch_select_indices(idx)
+    got = write(3, 300)
+    assert slab.get_seq_length() == ref.get_seq_length() == 40 + 20 + 251 + 300
+    for a, b in zip(slab.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert torch.equal(got[0], ref.layers[-1].keys)
