@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import executor
 from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (cleanup_distributed, collate, grad_sync, print0, save_checkpoint, load_trainer_state,
+from sft import (cleanup_distributed, collate, first_loss_column, grad_sync, print0, save_checkpoint, load_trainer_state,
                  setup_distributed, token_logprobs, unwrap_model, wrap_model)
 
 # -----------------------------------------------------------------------------
@@ -415,7 +415,7 @@ def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
     with torch.autocast(d.device.type, dtype=d.autocast_dtype or torch.float32, enabled=d.autocast_dtype is not None):
         out = token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
                              mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
-                             return_entropy=with_entropy)
+                             return_entropy=with_entropy, start=first_loss_column(mb["loss_mask"]))
     return out if with_entropy else (out, None)
 
 

@@ -116,8 +116,10 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, chunk_size=1024, temperature=1.0, entropy=False):
-        return _lm_token_logprobs(self.lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy)
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size=1024, temperature=1.0, entropy=False,
+                start=0):
+        return _lm_token_logprobs(self.lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy,
+                                  start)
 
 
 def _is_ddp(model) -> bool:
@@ -213,7 +215,7 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     return logp, lse - (probs * logits).sum(-1)  # (B, C) each
 
 
-def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy):
+def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
     softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)
     assert not softcap, "token_logprobs: final logit soft-capping is not supported"
     body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
@@ -221,9 +223,10 @@ def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, 
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state  # (B, T, H)
     B, T = input_ids.shape
-    logps = [torch.zeros(B, 1, device=hidden.device)]  # position 0 predicts nothing
-    ents = [torch.zeros(B, 1, device=hidden.device)]
-    for s in range(0, T - 1, chunk_size):
+    first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
+    logps = [torch.zeros(B, first, device=hidden.device)]
+    ents = [torch.zeros(B, first, device=hidden.device)]
+    for s in range(first - 1, T - 1, chunk_size):
         e = min(s + chunk_size, T - 1)
         h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
         if torch.is_grad_enabled() and h.requires_grad:
@@ -238,7 +241,7 @@ def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, 
 
 
 def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_size: int = 1024,
-                   temperature: float = 1.0, return_entropy: bool = False):
+                   temperature: float = 1.0, return_entropy: bool = False, start: int = 0):
     """Logprob of every token given the tokens before it, without materialising (B, T, V).
 
     Runs the model's body once (hidden states), then the output projection and log-softmax
@@ -250,6 +253,9 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
         input_ids: (B, T) long. attention_mask: (B, T) 0/1 (padding on either side).
         position_ids: (B, T) long; default `position_ids_from_mask(attention_mask)`.
         temperature: logits are divided by it (> 0); <= 0 means raw logits, like the sampler.
+        start: first column to compute (clamped to [1, T - 1]); columns before it are 0. The
+            body still reads every token, but the (B, C, V) head, its log-softmax and their
+            recomputation in backward skip the prompt (`first_loss_column`).
     Returns:
         logprobs (B, T) fp32 aligned with input_ids (the same layout as Sample.ids / .roles /
         .logprobs): logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); column 0 is 0.
@@ -259,11 +265,18 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     if _is_ddp(model) or isinstance(model, LogprobModel):
-        logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy)
+        logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
     else:
         logp, ent = _lm_token_logprobs(model, input_ids, attention_mask, position_ids, chunk_size, temperature,
-                                       return_entropy)
+                                       return_entropy, start)
     return (logp, ent) if return_entropy else logp
+
+
+def first_loss_column(loss_mask: torch.Tensor) -> int:
+    """(B, T) bool -> the first column holding a loss token in any row (0 if none): the
+    `start` of `token_logprobs` for a batch."""
+    cols = loss_mask.any(dim=0).nonzero()
+    return int(cols[0]) if len(cols) else 0
 
 
 def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normaliser):
@@ -463,7 +476,8 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
     for k, (mb, mask) in enumerate(zip(micro_batches, masks)):
         with grad_sync(model, sync=k == len(micro_batches) - 1), \
                 torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logp = token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], chunk_size)
+            logp = token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], chunk_size,
+                                  start=first_loss_column(mask))
             loss, m = masked_token_loss(logp, mask, n_loss)
             (loss * world).backward()
         nll_sum += m["nll_sum"]

@@ -252,6 +252,33 @@ def test_chunked_logprobs_match_full_softmax(model):
     torch.testing.assert_close(t2[:, 1:], ref2, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("start", [0, 1, 9, 22, 40])
+def test_logprobs_from_start_skip_the_prompt_exactly(model, start):
+    """token_logprobs(start=k) gives the full result at columns >= k (clamped to [1, T-1])
+    and 0 before, and a loss over columns >= k has the same gradients either way."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 300, (2, 23), generator=g)
+    mask = torch.ones_like(ids)
+    m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
+    full, full_ent = sft.token_logprobs(m1, ids, mask, chunk_size=4, return_entropy=True)
+    part, part_ent = sft.token_logprobs(m2, ids, mask, chunk_size=4, return_entropy=True, start=start)
+    k = min(max(start, 1), 22)
+    torch.testing.assert_close(part[:, k:], full[:, k:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(part_ent[:, k:], full_ent[:, k:], atol=1e-6, rtol=0)
+    assert part[:, :k].abs().sum() == 0 and part_ent[:, :k].abs().sum() == 0
+    full[:, k:].sum().backward()
+    part[:, k:].sum().backward()
+    assert_same(grads(m1), grads(m2), 1e-5)
+
+
+def test_first_loss_column():
+    m = torch.zeros(3, 8, dtype=torch.bool)
+    assert sft.first_loss_column(m) == 0  # no loss token (a dummy batch): compute everything
+    m[1, 5:7] = True
+    m[2, 6] = True
+    assert sft.first_loss_column(m) == 5
+
+
 # -----------------------------------------------------------------------------
 # checkpoints
 
