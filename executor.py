@@ -1112,6 +1112,20 @@ def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
     return out.logits[:, -1, :], full_mask, n_real + mask.sum(dim=1)
 
 
+def shared_prefix_len(prompts, min_len: int = 16) -> int:
+    """Tokens at the start of every prompt that `rollout` prefills once for the whole batch:
+    their longest common prefix, minus at least one token so that every prompt still feeds
+    its own last token (its logits give the first sample). 0 when there is one prompt or
+    the prefix is shorter than `min_len` (not worth an extra forward).
+    """
+    if len(prompts) < 2:
+        return 0
+    first, k = prompts[0], min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        k = next((i for i in range(k) if p[i] != first[i]), k)
+    return k if k >= min_len else 0
+
+
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
             max_tool_calls: int = 20, seed: int = 0, progress: bool = False) -> list:
@@ -1119,7 +1133,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     ```output block, continue from the KV cache, until EOS or a budget.
 
     Args:
-        prompts: list of prompt id lists (from `build_prompt_ids`), ragged.
+        prompts: list of prompt id lists (from `build_prompt_ids`), ragged. The prefix they
+            all share is prefilled once (`shared_prefix_len`).
         sandbox: a `Sandbox`; all blocks paused at the same time run in parallel.
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
             shared, every row's first token drawn independently (case G7).
@@ -1164,11 +1179,18 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             bar.update(1)
 
     with torch.inference_mode():
-        # 1) prefill each distinct prompt once, then give every sample its own cache rows
+        # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
+        #    turns) once, then each prompt's own rest, then give every sample its own cache rows
         cache = _kv_cache(model)
-        n_real = torch.zeros(len(prompts), dtype=torch.long, device=device)
-        mask = torch.zeros((len(prompts), 0), dtype=torch.long, device=device)
-        logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p) for p in prompts], n_real, pad_id)
+        shared = shared_prefix_len(prompts)
+        P = len(prompts)
+        n_real = torch.zeros(1 if shared else P, dtype=torch.long, device=device)
+        mask = torch.zeros((len(n_real), 0), dtype=torch.long, device=device)
+        if shared:
+            _, mask, n_real = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], n_real, pad_id)
+            cache.batch_repeat_interleave(P)
+            mask, n_real = mask.expand(P, -1), n_real.expand(P)
+        logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], n_real, pad_id)
         if n > 1:
             cache.batch_repeat_interleave(n)
             mask, n_real = mask.repeat_interleave(n, 0), n_real.repeat_interleave(n, 0)

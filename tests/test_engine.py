@@ -352,3 +352,40 @@ def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(mo
     for a, b in zip(slab.layers, ref.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(got[0], ref.layers[-1].keys)
+
+
+def test_shared_prefix_len():
+    a = list(range(100, 140))
+    assert ex.shared_prefix_len([a]) == 0  # one prompt: nothing to share
+    assert ex.shared_prefix_len([a, a[:30] + [7, 8]]) == 30
+    assert ex.shared_prefix_len([a, a]) == 39  # identical prompts still feed their last token
+    assert ex.shared_prefix_len([a, a[:20]]) == 19  # a prompt that is the prefix of another
+    assert ex.shared_prefix_len([a, a[:10] + [1] * 30]) == 0  # below min_len
+    assert ex.shared_prefix_len([a, a[:10] + [1] * 30], min_len=4) == 10
+
+
+def test_shared_prefix_is_prefilled_once_and_changes_no_sample(model, tokenizer, sandbox):
+    """Prompts with a common 3-shot-like prefix: the first forward holds the prefix once
+    (batch 1), and greedy samples and their logprobs equal those of each prompt alone."""
+    head = enc(tokenizer, "Solve each problem with code. Example: 2 + 2 = 4, 3 * 3 = 9, 10 - 7 = 3. ")
+    prompts = [head + enc(tokenizer, q) for q in ("What is 7 * 6?", "Count primes below 30.", "x")]
+    shapes = []
+    real_forward = model.forward
+
+    def spy(*args, **kw):
+        shapes.append(tuple(kw["input_ids"].shape))
+        return real_forward(*args, **kw)
+
+    model.forward = spy
+    try:
+        both = ex.rollout(model, tokenizer, prompts, sandbox, n=2, temperature=0, max_new_tokens=12)
+    finally:
+        del model.forward
+    assert shapes[0] == (1, ex.shared_prefix_len(prompts)) and shapes[0][1] >= len(head) - 1
+    assert shapes[1] == (3, max(len(p) for p in prompts) - shapes[0][1])
+    for i, p in enumerate(prompts):
+        alone = ex.rollout(model, tokenizer, [p], sandbox, temperature=0, max_new_tokens=12)[0]
+        for s in both[2 * i:2 * i + 2]:
+            assert s.ids == alone.ids
+            lp, ref = torch.tensor(s.logprobs[len(p):]), torch.tensor(alone.logprobs[len(p):])
+            assert (lp - ref).abs().max().item() < 1e-5
