@@ -1023,31 +1023,39 @@ def _pad_left(seqs, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
-def _kv_cache(model):
+def _kv_cache(model, max_len: int | None = None):
     """A transformers DynamicCache whose full-attention layers keep their keys and values
-    in a preallocated slab (`_slab_layer_class`); sliding-window layers keep their own class."""
+    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
+    many are needed; sliding-window layers keep their own class."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
     cache = DynamicCache(config=model.config)
     slab = _slab_layer_class()
-    cache.layers = [slab() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [slab(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
 @functools.cache
 def _slab_layer_class():
     """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that doubles when full; the model reads the view [:, :, :S].
+    >= S that grows by 25% (at least 256 positions, at most max_len) when full; the model
+    reads the view [:, :, :S].
 
     transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
     T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
-    slab costs O(T) amortised. Unlike a static cache the length is not fixed in advance (a
-    rollout's final length is unknown) and attention reads only the filled part.
+    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
+    Unlike a static cache the length is not fixed in advance (a rollout's final length is
+    unknown) and attention reads only the filled part. The spare capacity is at most 25%
+    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
     """
     import torch
     from transformers.cache_utils import DynamicLayer
 
     class SlabLayer(DynamicLayer):
+        def __init__(self, max_len=None):
+            super().__init__()
+            self.max_len = max_len
+
         def lazy_initialization(self, key_states, value_states):
             self.device, self.n, self.is_initialized = key_states.device, 0, True
             self.k_slab = self.v_slab = key_states.new_empty(key_states.shape[:2] + (0, key_states.shape[3]))
@@ -1057,7 +1065,9 @@ def _slab_layer_class():
                 self.lazy_initialization(key_states, value_states)
             end = self.n + key_states.shape[-2]
             if end > self.k_slab.shape[-2]:
-                self.k_slab, self.v_slab = (self._grown(s, max(256, 2 * end)) for s in (self.k_slab, self.v_slab))
+                capacity = max(end + 256, end * 5 // 4)
+                capacity = max(end, min(capacity, self.max_len or capacity))
+                self.k_slab, self.v_slab = (self._grown(s, capacity) for s in (self.k_slab, self.v_slab))
             self.k_slab[:, :, self.n:end] = key_states
             self.v_slab[:, :, self.n:end] = value_states
             self.n = end
@@ -1181,7 +1191,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     with torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
         #    turns) once, then each prompt's own rest, then give every sample its own cache rows
-        cache = _kv_cache(model)
+        cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
         P = len(prompts)
         n_real = torch.zeros(1 if shared else P, dtype=torch.long, device=device)

@@ -326,9 +326,9 @@ def test_budget_edges(tokenizer, sandbox):
 def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(model):
     """The engine's slab KV cache holds exactly what transformers' DynamicCache holds after
     chunked writes past its first capacity (256), batch_repeat_interleave and
-    batch_select_indices, and reports the same length."""
+    batch_select_indices, and reports the same length; its capacity stops at max_len."""
     torch.manual_seed(0)
-    slab, ref = ex._kv_cache(model), DynamicCache(config=model.config)
+    slab, ref = ex._kv_cache(model, max_len=620), DynamicCache(config=model.config)
     assert type(slab.layers[0]).__name__ == "SlabLayer"
     kv_heads, dim = model.config.num_key_value_heads, model.config.head_dim
 
@@ -342,7 +342,7 @@ def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(mo
     write(2, 40)
     slab.batch_repeat_interleave(3)
     ref.batch_repeat_interleave(3)
-    for length in [1] * 20 + [100, 150, 1]:  # crosses 256 and 512
+    for length in [1] * 20 + [100, 150, 1]:  # grows past its first capacity (296)
         got = write(6, length)
     idx = torch.tensor([0, 2, 5])
     slab.batch_select_indices(idx)
@@ -352,6 +352,7 @@ def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(mo
     for a, b in zip(slab.layers, ref.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(got[0], ref.layers[-1].keys)
+    assert slab.layers[0].k_slab.shape[-2] == 620  # 1.25 x 611 capped at max_len
 
 
 def test_shared_prefix_len():

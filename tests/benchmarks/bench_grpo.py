@@ -50,7 +50,8 @@ def bench_ours(lm, tok, problems, a, device):
                                   reward_fn=reward)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            rows.append((time.perf_counter() - t0, m["time_rollout"], m["time_exec"], m["time_train"]))
+            rows.append((time.perf_counter() - t0, m["time_rollout"], m["time_exec"], m["time_train"],
+                         m["model_tokens_per_sample"]))
     return rows[1:] if len(rows) > 1 else rows  # the first step warms up
 
 
@@ -75,7 +76,7 @@ def bench_trl(lm, tok, problems, a):
                      # no gradient checkpointing. TRL's own defaults (bf16=True everywhere, checkpointing on)
                      # would compare a bf16 CPU step against an fp32 one.
                      bf16=torch.cuda.is_available(), gradient_checkpointing=False, disable_tqdm=True)
-    times = []
+    times, lengths = [], []
 
     from transformers import TrainerCallback
 
@@ -86,10 +87,14 @@ def bench_trl(lm, tok, problems, a):
         def on_step_end(self, *args, **kw):
             times.append(time.perf_counter() - self.t0)
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+
     trainer = GRPOTrainer(model=lm, reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])
     trainer.train()
-    return times[1:] if len(times) > 1 else times
+    return (times[1:], lengths[1:]) if len(times) > 1 else (times, lengths)
 
 
 def main():
@@ -115,11 +120,13 @@ def main():
     rows = bench_ours(lm, tok, problems, a, device)
     med = [statistics.median(c) for c in zip(*rows)]
     print(f"grpo.py  step {med[0]:.3f} s (median of {len(rows)}): rollout {med[1]:.3f}, exec {med[2]:.3f}, "
-          f"train {med[3]:.3f}  [{a.prompts} prompts x G {a.group}, {a.new_tokens} new tokens, {device}]")
+          f"train {med[3]:.3f}, {med[4]:.0f} completion tokens / sample  "
+          f"[{a.prompts} prompts x G {a.group}, <= {a.new_tokens} new tokens, {device}]")
     trl = bench_trl(trl_lm, tok, problems, a)
-    if trl:
-        t = statistics.median(trl)
-        print(f"TRL      step {t:.3f} s (median of {len(trl)});  speed-up {t / med[0]:.2f}x (target >= 1.5x)")
+    if trl and trl[0]:
+        t = statistics.median(trl[0])
+        length = f", {statistics.median(trl[1]):.0f} completion tokens / sample" if trl[1] else ""
+        print(f"TRL      step {t:.3f} s (median of {len(trl[0])}){length};  speed-up {t / med[0]:.2f}x (target >= 1.5x)")
 
 
 if __name__ == "__main__":
