@@ -1048,7 +1048,6 @@ def _slab_layer_class():
     unknown) and attention reads only the filled part. The spare capacity is at most 25%
     of the KV memory (doubling would risk twice the memory of a 16K-token wave).
     """
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     class SlabLayer(DynamicLayer):
