@@ -7,7 +7,7 @@ Not a test (pytest does not collect it).
     python tests/benchmarks/bench_grpo.py --model /path/to/Qwen2.5-0.5B-Instruct
 
 Both sides: the same model and prompts (the THINC system prompt + a problem), G samples per
-prompt, `--new-tokens` completion tokens, temperature 1, no KL, eps 0.20 / 0.28, token-level
+prompt, exactly `--new-tokens` completion tokens (no EOS on either side), temperature 1, no KL, eps 0.20 / 0.28, token-level
 loss, one optimizer step per rollout batch, and a toy reward with signal (first completion
 token id even). Single turn: no code is executed (a fair comparison with TRL, which has no
 tool loop). Target (issue 7): grpo.py >= 1.5x faster per step.
@@ -75,7 +75,8 @@ def bench_trl(lm, tok, problems, a):
                      # the same numerics and work as grpo.py's side: bf16 autocast on CUDA only (fp32 on CPU),
                      # no gradient checkpointing. TRL's own defaults (bf16=True everywhere, checkpointing on)
                      # would compare a bf16 CPU step against an fp32 one.
-                     bf16=torch.cuda.is_available(), gradient_checkpointing=False, disable_tqdm=True)
+                     bf16=torch.cuda.is_available(), gradient_checkpointing=False, disable_tqdm=True,
+                     generation_kwargs={"min_new_tokens": a.new_tokens})  # no EOS: every sample is full length
     times, lengths = [], []
 
     from transformers import TrainerCallback
@@ -117,6 +118,7 @@ def main():
     problems = [{"id": str(i), "problem": f"How many integers up to {50 * (i + 1)} are sums a + b + ab?",
                  "answer": "0"} for i in range(a.prompts * (a.steps + 1))]
     trl_lm = copy.deepcopy(lm)
+    ex.stop_token_ids = lambda *args, **kw: set()  # no EOS: every sample is full length, as on TRL's side
     rows = bench_ours(lm, tok, problems, a, device)
     med = [statistics.median(c) for c in zip(*rows)]
     print(f"grpo.py  step {med[0]:.3f} s (median of {len(rows)}): rollout {med[1]:.3f}, exec {med[2]:.3f}, "
