@@ -23,6 +23,7 @@ Departures from the paper (it does not describe its executor):
 """
 import argparse
 import atexit
+import concurrent.futures
 import functools
 import inspect
 import json
@@ -875,7 +876,9 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
 
     Args:
         logits: (B, V) float, any dtype (computed in fp32).
-        generator: torch.Generator on the logits' device (the only randomness).
+        generator: the only randomness: a torch.Generator on the logits' device that draws
+            for the whole batch, or a list of B CPU generators, one per row, so that a row's
+            tokens do not depend on which other rows sample at the same step.
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
         top_p: keep the smallest prefix of tokens (by probability) whose mass is >= top_p,
             never fewer than one; 1.0 = no-op.
@@ -884,6 +887,9 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
         tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
         token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
         recomputes.
+
+    The draw is by inverse CDF: one uniform u per row, the first token whose cumulative
+    (kept) probability exceeds u times the kept mass. A token of probability 0 is never drawn.
     """
     import torch
     logits = logits.float()
@@ -893,13 +899,22 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
         probs = filter_top_p_top_k(torch.softmax(scaled, dim=-1), top_p, top_k)  # (B, V)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
+        total = cdf[:, -1:]  # (B, 1)
+        if isinstance(generator, torch.Generator):
+            u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64)
+        else:
+            u = torch.tensor([[torch.rand((), generator=g, dtype=torch.float64).item()] for g in generator],
+                             dtype=torch.float64).to(cdf.device)  # (B, 1)
+        # u * total < total, so some token's cdf exceeds it; rounding is kept below total
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 def filter_top_p_top_k(probs, top_p: float = 1.0, top_k: int = 0):
     """Zero out tokens outside top-k and outside the top-p nucleus. probs: (B, V), rows
-    sum to 1. Returns (B, V), not renormalised (multinomial does not need it)."""
+    sum to 1. Returns (B, V), not renormalised (the sampler scales by the kept mass)."""
     import torch
     if top_k > 0 and top_k < probs.shape[-1]:
         kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -1004,7 +1019,8 @@ class _Row:
         self.scanner = _FenceScanner()
         self.seg_start = len(self.ids)  # first id of the current model segment
         self.blocks, self.tool_calls, self.n_model = [], 0, 0
-        self.finish, self.code = None, None  # finish reason; code waiting to run
+        self.finish, self.code = None, None  # finish reason; the block being run
+        self.running = None  # the sandbox's future for that block
         self.plan_text = None
         self.plan_tokens, self.starts = None, []  # model tokens of the plan; their char offsets
         self.seg_starts = []  # where each model token of the current segment starts in scanner.text
@@ -1137,14 +1153,20 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed: int = 0, progress: bool = False) -> list:
+            max_tool_calls: int = 20, seed: int = 0, progress: bool = False, stats: dict | None = None) -> list:
     """Sample THINC trajectories: decode, run each closed ```python block, append its
     ```output block, continue from the KV cache, until EOS or a budget.
+
+    A row that closes a block sends it to the sandbox at once and feeds nothing until the
+    output is back; the other rows decode on meanwhile (no row waits for the slowest row's
+    block, and execution overlaps decoding). The batch stalls only when every live row
+    waits on a block.
 
     Args:
         prompts: list of prompt id lists (from `build_prompt_ids`), ragged. The prefix they
             all share is prefilled once (`shared_prefix_len`).
-        sandbox: a `Sandbox`; all blocks paused at the same time run in parallel.
+        sandbox: a `Sandbox` (anything with a thread-safe `run(code) -> ExecResult` and
+            `workers`, the number of blocks run at once).
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
             shared, every row's first token drawn independently (case G7).
         temperature, top_p, top_k: see `sample_next_token`.
@@ -1152,8 +1174,11 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
         max_tool_calls: executed blocks per sample; one more closed block ends the row
             with 'tool_budget' (that block is not run).
-        seed: seeds the single torch.Generator of this call; the same seed, prompts and
-            batch reproduce the same samples.
+        seed: row i of the call draws from its own generator seeded from (seed, i), so the
+            same seed and prompts reproduce the same samples whatever the timing of the
+            blocks (up to the floating-point effects of which rows share a forward).
+        stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
+            stalled with every live row waiting on a block.
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
@@ -1166,10 +1191,12 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     if any(len(p) == 0 for p in prompts):
         raise ValueError("rollout: every prompt needs at least one token")
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = [_Row(p) for p in prompts for _ in range(n)]
+    # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
+    # never on when other rows pause for their blocks
+    gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
     pieces = {}  # token id -> decoded text, for the fence scanner
 
     def piece(t):
@@ -1187,7 +1214,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         if bar is not None:
             bar.update(1)
 
-    with torch.inference_mode():
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
+    with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
         #    turns) once, then each prompt's own rest, then give every sample its own cache rows
         cache = _kv_cache(model, max_context)
@@ -1211,14 +1239,19 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         need = [rows[i].finish is None for i in live]  # rows that sample from `logits`
 
         while True:
-            # 2) sample for every row that was fed something, and check its stops
+            # 2) sample for every row that was fed something, and check its stops; a row
+            #    that closed a block sends it to the sandbox now and decodes on when it is back
             idx = [b for b, w in enumerate(need) if w]
             if idx:
                 sel = torch.tensor(idx, device=device)
-                tokens, logps = sample_next_token(logits[sel], gen, temperature, top_p, top_k)
+                tokens, logps = sample_next_token(logits[sel], [gens[live[b]] for b in idx], temperature,
+                                                  top_p, top_k)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
-                    _accept_token(rows[live[b]], t, lp, stops, piece, max_context, max_new_tokens,
-                                  max_tool_calls, tokenizer, finish)
+                    r = rows[live[b]]
+                    _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_calls,
+                                  tokenizer, finish)
+                    if r.code is not None:
+                        r.running = pool.submit(sandbox.run, r.code)
             # 3) finished rows leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             if len(keep) < len(live):
@@ -1227,20 +1260,27 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 k = torch.tensor(keep, device=device)
                 cache.batch_select_indices(k)
                 mask, n_real, live = mask[k], n_real[k], [live[b] for b in keep]
-            # 4) when every live row waits on a block, run them all at once
-            if all(rows[i].code is not None for i in live):
-                _run_pending([rows[i] for i in live], sandbox, tokenizer, max_context, finish)
-                if all(rows[i].finish is not None for i in live):
-                    break
+            # 4) append the output of every block that has finished; if no row has anything
+            #    else to do, wait for the first one
+            running = [rows[i] for i in live if rows[i].running is not None]
+            if running and len(running) == len(live):
+                t0 = time.perf_counter()
+                concurrent.futures.wait([r.running for r in running], return_when=concurrent.futures.FIRST_COMPLETED)
+                if stats is not None:
+                    stats["exec_wait_s"] = stats.get("exec_wait_s", 0.0) + time.perf_counter() - t0
+            for r in running:
+                if r.running.done():
+                    _append_output(r, r.running.result(), tokenizer, max_context, finish)
             # each row feeds what the cache lacks: its last sampled token, or the fence and
-            # the output block after a run; a row still waiting on its block feeds nothing
-            feeds = [[] if rows[i].code is not None or rows[i].finish is not None
+            # the output block after a run; a row whose block still runs feeds nothing
+            feeds = [[] if rows[i].running is not None or rows[i].finish is not None
                      else rows[i].ids[rows[i].n_fed:] for i in live]
             for f, i in zip(feeds, live):
                 rows[i].n_fed += len(f)
             need = [len(f) > 0 for f in feeds]
             # 5) one forward over the ragged chunk (a token, or an output block)
-            logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
+            if any(need):
+                logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
     if bar is not None:
         bar.close()
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
@@ -1306,27 +1346,25 @@ def _trim_to_fence(r, cut, tokenizer):
     sc.text = sc.text[:cut]
 
 
-def _run_pending(batch_rows, sandbox, tokenizer, max_context, finish):
-    """Run every waiting block at once and append each row's ```output block."""
-    results = sandbox.run_many([r.code for r in batch_rows])
-    for r, res in zip(batch_rows, results):
-        r.tool_calls += 1
-        r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
-        r.code = None
-        if r.plan_text is None:
-            r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
-        lead = "" if r.scanner.text.endswith("\n") else "\n"
-        chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
-        if len(r.ids) + len(chunk) >= max_context:
-            r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
-            r.tool_calls -= 1
-            finish(r, "length")
-            continue
-        r.ids += chunk
-        r.roles += [ROLE_OUTPUT] * len(chunk)
-        r.logprobs += [float("nan")] * len(chunk)
-        r.scanner, r.seg_starts = _FenceScanner(), []
-        r.seg_start = len(r.ids)
+def _append_output(r, res, tokenizer, max_context, finish):
+    """Record a row's finished block and append its ```output block (role output) to the
+    row's ids, or end the row with 'length' when the output would not fit."""
+    r.tool_calls += 1
+    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
+    r.code = r.running = None
+    if r.plan_text is None:
+        r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
+    lead = "" if r.scanner.text.endswith("\n") else "\n"
+    chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
+    if len(r.ids) + len(chunk) >= max_context:
+        r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
+        r.tool_calls -= 1
+        return finish(r, "length")
+    r.ids += chunk
+    r.roles += [ROLE_OUTPUT] * len(chunk)
+    r.logprobs += [float("nan")] * len(chunk)
+    r.scanner, r.seg_starts = _FenceScanner(), []
+    r.seg_start = len(r.ids)
 
 
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":

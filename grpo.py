@@ -337,21 +337,6 @@ def split_even(items, k: int) -> list:
 # Rollout
 
 
-class _TimedSandbox:
-    """Delegates to a Sandbox and adds up the wall time of its run_many calls, so that a
-    step's time splits into generation and execution."""
-
-    def __init__(self, sandbox):
-        self.sandbox, self.seconds = sandbox, 0.0
-
-    def run_many(self, codes):
-        t0 = time.perf_counter()
-        try:
-            return self.sandbox.run_many(codes)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-
 def mix_seed(*xs) -> int:
     """A deterministic seed from integers (step, rank, round, ...): resuming at a step
     reproduces its rollouts without saving generator states."""
@@ -379,8 +364,9 @@ def sync_policy(model, policy):
 
 def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=rollout):
     """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
-    --rollout-prompts prompts, longest prompts first. Returns (samples, exec seconds)."""
-    timed = _TimedSandbox(sandbox)
+    --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
+    stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
+    stats = {}
     prompts = [build_prompt_ids(tokenizer, p["problem"]) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     wave = args.rollout_prompts or max(1, len(prompts))
@@ -390,13 +376,13 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
     policy.eval()
     for w in range(0, len(order), wave):
         idx = order[w:w + wave]
-        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], timed, n=G, temperature=args.temperature,
+        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
                          top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w))
+                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats)
         for k, i in enumerate(idx):
             out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
     policy.train(was_training)
-    return out, timed.seconds
+    return out, stats.get("exec_wait_s", 0.0)
 
 
 # -----------------------------------------------------------------------------

@@ -390,3 +390,56 @@ def test_shared_prefix_is_prefilled_once_and_changes_no_sample(model, tokenizer,
             assert s.ids == alone.ids
             lp, ref = torch.tensor(s.logprobs[len(p):]), torch.tensor(alone.logprobs[len(p):])
             assert (lp - ref).abs().max().item() < 1e-5
+
+
+def test_sampler_draws_from_the_kept_distribution_and_never_a_zero_token():
+    """Inverse-CDF draws: frequencies match the (top-p filtered) probabilities, a token of
+    probability 0 never comes up, and one generator per row makes a row's draw
+    independent of the other rows in the batch."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = torch.log(probs).expand(20000, 4)
+    tokens, lp = ex.sample_next_token(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert freq[1] == 0 and torch.allclose(freq, probs.double(), atol=0.015), freq
+    assert torch.allclose(lp, torch.log(probs)[tokens])
+    # top-p 0.85 keeps {2, 3}: renormalised 2/3, 1/3
+    tokens, _ = ex.sample_next_token(logits, torch.Generator().manual_seed(1), top_p=0.85)
+    freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert freq[0] == freq[1] == 0 and abs(freq[2] - 2 / 3) < 0.015
+    # per-row generators: row 0's token does not depend on what else is in the batch
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(8)]  # noqa: E731
+    mixed = torch.randn(8, 50)
+    alone = [ex.sample_next_token(mixed[i:i + 1], [gens()[i]])[0].item() for i in range(8)]
+    assert ex.sample_next_token(mixed, gens())[0].tolist() == alone
+    assert ex.sample_next_token(mixed[[5, 2]], [gens()[5], gens()[2]])[0].tolist() == [alone[5], alone[2]]
+
+
+@pytest.mark.timeout(60)
+def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
+    """Row A's block sleeps; row B runs its quick block and writes its whole answer
+    meanwhile (a synchronous engine would hold B until A's block returns). Both samples
+    are exactly the scripted ones."""
+    tok, eos = tokenizer, tokenizer.eos_token_id
+    base = tiny.make_model(tok)
+    pa, pb = enc(tok, "Problem A:"), enc(tok, "Problem B, longer:")
+    a = pa + enc(tok, "```python\nimport time\ntime.sleep(1.5)\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
+        + enc(tok, "\\boxed{1}") + [eos]
+    tail_b = enc(tok, "So the answer is " + "very " * 10 + "clearly \\boxed{2}")
+    b = pb + enc(tok, "```python\nprint(2)\n```") + enc(tok, "\n```output\n2\n```\n") + tail_b + [eos]
+    model = Scripted(base, [a, b], eos)
+    calls = []
+    real_forward = model.forward
+
+    def spy(**kw):
+        L = kw["input_ids"].shape[1]
+        calls.append(kw["attention_mask"][:, -L:].sum(dim=1).tolist())
+        return real_forward(**kw)
+
+    model.forward = spy
+    sa, sb = ex.rollout(model, tok, [pa, pb], sandbox, temperature=0.0, max_new_tokens=200)
+    assert sa.ids == a[:-1] + [eos] and sb.ids == b[:-1] + [eos]
+    assert sa.blocks[0]["output"] == "1\n" and sb.blocks[0]["output"] == "2\n"
+    # after B's output block went in, B decoded its answer while A waited on its block (a
+    # synchronous engine feeds both output blocks in one forward, after A's block returns)
+    i = next(k for k, c in enumerate(calls) if k > 0 and len(c) == 2 and c[1] > 1)
+    assert sum(1 for c in calls[i + 1:] if c == [0, 1]) >= 5, calls

@@ -212,25 +212,32 @@ def test_defaults_have_no_hidden_terms_L8():
 
 
 class ScriptedPolicy(torch.nn.Module):
-    """Emits fixed model segments through the real `executor.rollout`: one token per
-    single-token feed; a multi-token feed (an output block) moves to the next segment."""
+    """Emits fixed model segments through the real `executor.rollout`. Every row writes the
+    same text, so the next token depends only on the row's position: segment k starts
+    after the k-th multi-token feed (the prompt, then each output block). Rows may pause
+    for their blocks at different times and leave the batch in any order.
+    `fed[p]` is the token fed at position p (the same in every row, or a test fails)."""
 
     def __init__(self, config, segments):
         super().__init__()
         self.config, self.segments = config, segments
         self.anchor = torch.nn.Parameter(torch.zeros(1))
-        self.fed, self.seg, self.pos, self.calls = [], 0, 0, 0
+        self.fed, self.next, self.starts = {}, {}, []
 
     def forward(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep):
         B, L = input_ids.shape
-        self.fed.append(input_ids[0].tolist())
-        if self.calls > 0 and L > 1:
-            self.seg, self.pos = self.seg + 1, 0
-        self.calls += 1
-        tok = self.segments[self.seg][self.pos]
-        self.pos += 1
+        real = attention_mask[:, -L:].bool()  # (B, L)
         logits = torch.full((B, 1, self.config.vocab_size), -1e4)
-        logits[:, :, tok] = 0.0
+        for b in range(B):
+            for p, t in zip(position_ids[b][real[b]].tolist(), input_ids[b][real[b]].tolist()):
+                assert self.fed.setdefault(p, t) == t, (p, t, self.fed[p])
+            q = int(position_ids[b, -1])  # position of the row's last real token
+            if not real[b].any():  # a row waiting on its block
+                continue
+            if real[b].sum() > 1 and q not in self.starts:  # after the prompt or an output block
+                self.next.update({q + j: t for j, t in enumerate(self.segments[len(self.starts)])})
+                self.starts.append(q)
+            logits[b, 0, self.next[q]] = 0.0
         return types.SimpleNamespace(logits=logits)
 
 
@@ -257,8 +264,9 @@ def test_trainer_ids_are_the_sampler_ids_L6(tokenizer, scripted):
     assert s.ids == scripted.prompt + scripted.seg1 + out_ids + scripted.seg2
     assert s.roles == ([ROLE_PROMPT] * len(scripted.prompt) + [ROLE_MODEL] * len(scripted.seg1)
                        + [ROLE_OUTPUT] * len(out_ids) + [ROLE_MODEL] * len(scripted.seg2))
-    fed = list(itertools.chain.from_iterable(scripted.policy.fed))
-    assert fed == s.ids[:-1]  # what the sampler fed is what the trainer sees (EOS is never fed)
+    fed = scripted.policy.fed
+    assert [fed[p] for p in range(len(fed))] == s.ids[:-1]  # what the sampler fed is what the
+    # trainer sees (EOS is never fed)
     b = grpo.make_batch([s, scripted.samples[1]], torch.tensor([1.0, -1.0]), tokenizer.pad_token_id)
     assert b["input_ids"][0].tolist() == s.ids
     assert b["loss_mask"][0].tolist() == [r == ROLE_MODEL for r in s.roles]
@@ -589,8 +597,9 @@ def _worker(out_dir, tiny_dir):
             toks["max"] = max(s.n_model_tokens for s in got)
             return got
 
+        alternate = itertools.cycle([1.0, 0.0])  # every group of 2 has signal: both ranks train
         model, [(m, _)] = run_steps(tiny.make_model(tok), tok, args, problems(2), 1,
-                                    lambda s, p: float(s.ids[-1] % 2), sb, rollout_fn=lengths, d=d)
+                                    lambda s, p: next(alternate), sb, rollout_fn=lengths, d=d)
         res.update(d2_max_model_tokens=toks["max"], d2_steps=m["optimizer_steps"])
 
         # D3: after dropping, rank 0 has 3 micro-batches (1 group of 3, micro-batch 1), rank 1 none
