@@ -269,13 +269,14 @@ def main(argv=None):
            f"{len(problems) * k - n_todo} done before, {n_todo} to sample on {world} rank(s); "
            f"rank 0: {len(mine)} problems in {-(-len(mine) // args.batch_size)} batches of <= {args.batch_size}")
 
-    # 2) teacher and sandbox
-    model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
+    # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
+    if mine:
+        model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
     filt = dict(min_blocks=args.min_blocks, max_plan_share=args.max_plan_share,
                 require_stop=not args.allow_unfinished)
     t0, n_new, n_kept = time.time(), 0, 0
-    with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+    with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)

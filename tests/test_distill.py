@@ -263,3 +263,10 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
     assert s["trajectories"] == 6 and s["kept"] == len(kept) and s["rejected"] == len(rejected)
     assert s["args"]["samples_per_problem"] == 2
     assert set(s["failed"]) == set(distill.RULES)
+    # 3) a run with nothing left to sample only rewrites the summary: the teacher is not
+    # even loaded (a path that does not exist would fail to load)
+    os.remove(summ)
+    cmd, env = cli(str(tmp_path / "no_such_teacher"), str(data), out)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(summ))["trajectories"] == 6 and strict_rows(out) == kept
