@@ -34,7 +34,7 @@ Departures from the paper (it does not define these details):
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
   4. Sampling runs in waves of --batch-size problems x k samples, one rollout call (one
-     seeded generator) per wave; waves depend only on the data and --batch-size, never on
+     seed, a generator per row) per wave; waves depend only on the data and --batch-size, never on
      the number of ranks, so a sample is reproduced by rerunning its wave (its row names
      the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
