@@ -389,7 +389,7 @@ PROBLEMS = [  # (problem, plan, code blocks, answer)
 ]
 
 
-@pytest.mark.timeout(480)  # about 40 s on 2 idle cores; 333 s was seen on a loaded machine
+@pytest.mark.timeout(480)  # 333 s was measured on a heavily loaded 2-core machine
 def test_memorise_then_rollout_reproduces(tmp_path):
     tok = tiny.make_tokenizer()
     tok.pad_token = tok.eos_token  # F3: pad id == EOS id, and the model must still learn to stop
