@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 import executor
 from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (cleanup_distributed, collate, first_loss_column, grad_sync, print0, save_checkpoint, load_trainer_state,
-                 setup_distributed, token_logprobs, unwrap_model, wrap_model)
+from sft import (_is_ddp, cleanup_distributed, collate, first_loss_column, grad_sync, print0, save_checkpoint,
+                 load_trainer_state, setup_distributed, token_logprobs, unwrap_model, wrap_model)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -477,7 +477,10 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
             gn = gn.full_tensor()
         grad_norm += float(gn)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # under DDP the gradients are views into its buckets: zero them in place. Set to None,
+        # the next micro-steps under no_sync allocate a second full copy (the 2-rank demo was
+        # OOM-killed on 24 GB by it)
+        optimizer.zero_grad(set_to_none=not _is_ddp(model))
         steps += 1
     out = {n: float(v) for n, v in acc.items()}
     out.update(grad_norm=grad_norm, optimizer_steps=steps)

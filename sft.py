@@ -705,7 +705,10 @@ def main(argv=None):
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=True)
+        # under DDP the gradients are views into its buckets: zero them in place. Set to None,
+        # the next micro-steps under no_sync allocate a second full copy (the 2-rank demo was
+        # OOM-killed on 24 GB by it)
+        opt.zero_grad(set_to_none=not _is_ddp(model))
         step += 1
         dt = time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
