@@ -478,8 +478,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         grad_norm += float(gn)
         optimizer.step()
         # under DDP the gradients are views into its buckets: zero them in place. Set to None,
-        # the next micro-steps under no_sync allocate a second full copy (the 2-rank demo was
-        # OOM-killed on 24 GB by it)
+        # the next micro-steps under no_sync would allocate a second full copy of them
         optimizer.zero_grad(set_to_none=not _is_ddp(model))
         steps += 1
     out = {n: float(v) for n, v in acc.items()}

@@ -706,8 +706,7 @@ def main(argv=None):
         opt.step()
         sched.step()
         # under DDP the gradients are views into its buckets: zero them in place. Set to None,
-        # the next micro-steps under no_sync allocate a second full copy (the 2-rank demo was
-        # OOM-killed on 24 GB by it)
+        # the next micro-steps under no_sync would allocate a second full copy of them
         opt.zero_grad(set_to_none=not _is_ddp(model))
         step += 1
         dt = time.perf_counter() - t0
