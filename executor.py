@@ -1101,7 +1101,12 @@ def _slab_layer_class():
             return self.n if self.is_initialized else 0
 
         def crop(self, tokens_to_remove):
-            raise NotImplementedError("the rollout engine never crops its KV cache")
+            # transformers' convention: a negative count drops that many final positions
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop({tokens_to_remove}): pass a negative number of positions to drop")
+            if self.is_initialized:
+                self.n = max(0, self.n + tokens_to_remove)
+                self._view()
 
         def batch_repeat_interleave(self, repeats):
             if self.get_seq_length() > 0:

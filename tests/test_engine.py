@@ -353,6 +353,11 @@ def test_slab_kv_cache_matches_dynamic_cache_through_growth_select_and_repeat(mo
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(got[0], ref.layers[-1].keys)
     assert slab.layers[0].k_slab.shape[-2] == 620  # 1.25 x 611 capped at max_len
+    for c in (slab, ref):  # crop drops the last positions, as DynamicCache does
+        c.crop(-11)
+    assert slab.get_seq_length() == ref.get_seq_length() == 600
+    for a, b in zip(slab.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_shared_prefix_len():
