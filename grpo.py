@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 import executor
 from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (_is_ddp, cleanup_distributed, collate, first_loss_column, grad_sync, print0, save_checkpoint,
-                 load_trainer_state, setup_distributed, token_logprobs, unwrap_model, wrap_model)
+from sft import (_is_ddp, cleanup_distributed, collate, first_loss_column, grad_sync, load_optimizer_state,
+                 load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint, setup_distributed,
+                 token_logprobs, unwrap_model, wrap_model)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -95,6 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward, per rank")
     p.add_argument("--chunk-size", type=int, default=1024, help="positions per lm_head / log-softmax chunk")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
     # run
@@ -650,13 +653,13 @@ def main(argv=None, reward_fn=None):
     policy = unwrap_model(model) if share else policy
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
+    optimizer = make_optimizer(params, args.lr, args.weight_decay, shard=args.shard_optimizer)
     step = 0
     if args.resume:
         st = load_trainer_state(args.resume)
         step = st["step"]
         if not args.reset_optimizer:
-            optimizer.load_state_dict(st["optimizer"])
+            load_optimizer_state(optimizer, st, args.resume)
             stream.load_state_dict(st["data"])
             random.setstate(st["rng"]["python"])
             torch.set_rng_state(st["rng"]["torch"])
@@ -667,7 +670,7 @@ def main(argv=None, reward_fn=None):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     def save(name):
-        state = {"step": step, "optimizer": optimizer.state_dict(), "data": stream.state_dict(),
+        state = {"step": step, **optimizer_state(optimizer), "data": stream.state_dict(),
                  "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}, "world_size": world}
         save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
 

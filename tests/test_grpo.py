@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -497,7 +498,7 @@ def two_ranks(tmp_path_factory, tiny_dir):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = [json.load(open(out / f"rank{k}.json")) for k in range(2)]
-    return types.SimpleNamespace(dir=out, res=res)
+    return types.SimpleNamespace(dir=out, res=res, tiny_dir=tiny_dir)
 
 
 @pytest.mark.timeout(300)
@@ -530,6 +531,20 @@ def test_rank0_logs_reduced_metrics_once_D4(two_ranks):
     pr = ex.read_jsonl_tolerant(str(two_ranks.dir / "d4" / "pass_rates.jsonl"))
     assert len(pr) == 2
     assert os.path.exists(two_ranks.dir / "d4" / "latest" / "model.safetensors")
+
+
+@pytest.mark.timeout(300)
+def test_sharded_optimizer_steps_and_resume_equal_replicated(two_ranks):
+    w = {n: load_file(str(two_ranks.dir / n / "latest" / "model.safetensors"))
+         for n in ("zero_plain", "zero", "zero_resumed")}
+    start = load_file(os.path.join(two_ranks.tiny_dir, "model.safetensors"))
+    assert any(not torch.equal(start[k], w["zero_plain"][k]) for k in start)  # it trained
+    assert all(torch.equal(w["zero_plain"][k], w["zero"][k]) and torch.equal(w["zero"][k], w["zero_resumed"][k])
+               for k in start)
+    steps = [r["optimizer_steps"] for r in ex.read_jsonl_tolerant(str(two_ranks.dir / "zero" / "metrics.jsonl"))]
+    assert steps == [1, 1]
+    share = torch.load(two_ranks.dir / "zero" / "latest" / "trainer_state_rank1.pt", weights_only=False)
+    assert "optimizer" not in share and len(share["optimizer_shard"]["state"]) > 0
 
 
 @pytest.mark.timeout(300)
@@ -654,9 +669,22 @@ def _worker(out_dir, tiny_dir):
     if rank == 0:
         _write_problems(data, 2)
     dist.barrier()
+    grpo.cleanup_distributed = lambda: None  # several command-line runs share this process group
     grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, "d4"), "--steps", "1",
                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
                "--no-progress"], reward_fn=lambda s, p: 1.0 if rank == 0 else 0.0)
+
+    # ZeRO-1 (--shard-optimizer): 2 steps plain, 2 steps sharded, 1 sharded step + resume
+    def zero_run(name, *extra):
+        alternate = itertools.cycle([1.0, 0.0])  # every group has signal: AdamW state after step 1
+        grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, name), "--prompts-per-step",
+                   "2", "--group-size", "2", "--max-new-tokens", "3", "--exec-workers", "1", "--lr", "1e-3",
+                   "--no-progress", *extra], reward_fn=lambda s, p: next(alternate))
+
+    zero_run("zero_plain", "--steps", "2")
+    zero_run("zero", "--steps", "2", "--shard-optimizer")
+    zero_run("zero_resumed", "--steps", "1", "--shard-optimizer")
+    zero_run("zero_resumed", "--steps", "2", "--shard-optimizer", "--resume", os.path.join(out_dir, "zero_resumed", "latest"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
