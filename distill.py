@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import time
-from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -253,10 +252,6 @@ def main(argv=None):
     problems = ex.read_problems(args.data)
     if args.limit:
         problems = problems[:args.limit]
-    ids = [p["id"] for p in problems]
-    dup = [i for i, c in Counter(ids).items() if c > 1]
-    if dup:
-        raise ValueError(f"{args.data}: duplicate problem id {dup[0]!r} (resume keys on ids)")
     exemplars = load_exemplars(args.exemplars)
     k = args.samples_per_problem
     done = {(r["id"], r["sample_idx"]) for path in (out, rejected_path)

@@ -413,13 +413,23 @@ def markdown_table(metrics: dict) -> str:
 # Files
 
 
-def load_samples(path: str) -> list:
-    """Rows of a samples JSONL. A torn last line (a run killed mid-write) is ignored.
+# the type of each field a metric reads (bool is not an int here: `"correct": "false"` or
+# `"sample_idx": true` is an error, not a silently wrong number)
+FIELD_TYPES = {"id": str, "benchmark": str, "answer": str, "correct": bool, "sample_idx": int,
+               "finish_reason": str, "completion": str, "blocks": list, "n_code_blocks": int,
+               "n_exec_errors": int, "completion_tokens": int, "model_tokens": int, "plan_tokens": int}
+
+
+def load_samples(path: str, torn_tail_ok: bool = False) -> list:
+    """Rows of a samples JSONL. With `torn_tail_ok` (a rank's file, appended as it goes) a
+    torn last line, from a run killed mid-write, is ignored; samples.jsonl is written
+    atomically, so there a torn line is an error.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a bad JSON line, a row missing one of REQUIRED_FIELDS, or a second row
-            for the same (benchmark, id, sample_idx); the message names file and line.
+        ValueError: a bad JSON line, a row missing one of REQUIRED_FIELDS or with a field of
+            the wrong type (FIELD_TYPES; `pred` a string or null), or a second row for the
+            same (benchmark, id, sample_idx); the message names file, line and field.
     """
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
@@ -430,7 +440,7 @@ def load_samples(path: str) -> list:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            if lineno == len(lines) and not line.endswith("\n"):
+            if torn_tail_ok and lineno == len(lines) and not line.endswith("\n"):
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
@@ -438,6 +448,12 @@ def load_samples(path: str) -> list:
         missing = [k for k in REQUIRED_FIELDS if k not in row]
         if missing:
             raise ValueError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+        for k, t in FIELD_TYPES.items():
+            v = row[k]
+            if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+                raise ValueError(f"{path}:{lineno}: field '{k}' must be {t.__name__}, got {v!r}")
+        if row["pred"] is not None and not isinstance(row["pred"], str):
+            raise ValueError(f"{path}:{lineno}: field 'pred' must be a string or null, got {row['pred']!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if key in seen:
             raise ValueError(f"{path}:{lineno}: duplicate of line {seen[key]} "
@@ -458,7 +474,7 @@ class InputError(Exception):
 def merged_samples(out_dir: str) -> dict:
     """Every sample row found in out_dir: samples.jsonl (a finished run's merge) and
     samples.rank*.jsonl (in-progress rows of any earlier world size), each read with
-    load_samples (a torn last line, from a killed write, is ignored). Returns
+    load_samples (a torn last line of a rank's file, from a killed write, is ignored). Returns
     {(benchmark, id, sample_idx): row}; the same key in two files must hold the same row.
 
     Raises:
@@ -471,7 +487,7 @@ def merged_samples(out_dir: str) -> dict:
         if not os.path.exists(path):
             continue
         try:
-            file_rows = load_samples(path)
+            file_rows = load_samples(path, torn_tail_ok=name != "samples.jsonl")
         except ValueError as e:
             raise InputError(str(e)) from None
         for row in file_rows:
@@ -567,13 +583,6 @@ def read_benchmarks(paths, limit: int) -> dict:
             raise InputError(str(e)) from None
         if limit:
             problems = problems[:limit]
-        if not problems:
-            raise InputError(f"{path}: no problems")
-        seen = set()
-        for prob in problems:
-            if prob["id"] in seen:
-                raise InputError(f"{path}: problem id {prob['id']!r} appears twice")
-            seen.add(prob["id"])
         benches[name] = problems
     return benches
 

@@ -1398,18 +1398,36 @@ _PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth"
 # MATH-style files have a worked `solution` whose final \boxed{} is the answer
 
 
+def _problem_value(path, lineno, key, value, numbers_ok: bool) -> str:
+    """One text field of a problems line as a stripped, non-blank string (numbers allowed
+    for answers: 1e20 becomes "100000000000000000000", not "1e+20")."""
+    if isinstance(value, float) and numbers_ok and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, str) and not (numbers_ok and isinstance(value, (int, float))):
+        want = "a string or a number" if numbers_ok else "a string"
+        raise ValueError(f"{path}:{lineno}: field '{key}' must be {want}, got {type(value).__name__} {value!r}")
+    value = str(value).strip()
+    if not value:
+        raise ValueError(f"{path}:{lineno}: field '{key}' is blank")
+    return value
+
+
 def read_problems(path: str) -> list:
     """Read a problems JSONL: one {"id", "problem", "answer"} object per line; extra fields
     are kept. `question` is accepted for the problem, `ground_truth` for the answer, and a
-    worked `solution` (MATH) whose last \boxed{} is taken as the answer. A missing id
-    becomes "<file stem>-<line>". Blank lines are skipped.
+    worked `solution` (MATH) whose last \boxed{} is taken as the answer. The problem is a
+    string, the answer a string or a number (an integral float is written as an integer);
+    both come back as stripped strings. The id is a string or an integer; a missing (or
+    null) id becomes "<file stem>-<line>". Ids must be unique: resume, pass rates and
+    --drop-solved key on them. Blank lines are skipped.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line that is not a JSON object, or has no problem or no answer;
+        ValueError: a line that is not a JSON object, has no problem or no answer, a field
+            of the wrong type or blank, a repeated id, or a file without any problem;
             the message names the file, the line number and the field.
     """
-    out = []
+    out, first_line = [], {}
     stem = os.path.splitext(os.path.basename(path))[0]
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -1425,14 +1443,25 @@ def read_problems(path: str) -> list:
                 key = next((k for k in keys if row.get(k) not in (None, "")), None)
                 if key is None:
                     raise ValueError(f"{path}:{lineno}: missing field '{field}' (or one of {keys[1:]})")
-                value = str(row[key])
+                value = _problem_value(path, lineno, key, row[key], numbers_ok=field == "answer" and key != "solution")
                 if key == "solution":
                     value = extract_answer(value, prose_only=False)
                     if value is None:
                         raise ValueError(f"{path}:{lineno}: field 'solution' has no \\boxed{{}} answer")
                 row[field] = value
-            row["id"] = str(row.get("id", f"{stem}-{lineno}"))
+            pid = row.get("id")
+            if pid is None:
+                pid = f"{stem}-{lineno}"
+            elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
+                raise ValueError(f"{path}:{lineno}: field 'id' must be a string or an integer, got {pid!r}")
+            row["id"] = str(pid)
+            if row["id"] in first_line:
+                raise ValueError(f"{path}:{lineno}: field 'id': {row['id']!r} already on line "
+                                 f"{first_line[row['id']]} (ids must be unique: resume and pass rates key on them)")
+            first_line[row["id"]] = lineno
             out.append(row)
+    if not out:
+        raise ValueError(f"{path}: no problems in the file")
     return out
 
 
@@ -1788,14 +1817,16 @@ def _as_int(s: str):
 
 def _integer_candidate(p: str) -> str:
     """For an integer gold, the part of a normalised prediction that states the number:
-    outer `{}` / `()` removed, a trailing `,` dropped, the right side of the last `=`
-    (`m+n=70`), and a trailing word of two or more letters dropped (`70ways`, `70cm`)."""
+    outer `{}` / `()` removed, a trailing `,` dropped, the right side of one equation whose
+    left side names something (`m+n=70`; not `5=70`, nor a list `x=5,y=70`, where the
+    number would depend on the order), and a trailing word of two or more letters dropped
+    (`70ways`, `70cm`)."""
     for _ in range(3):
         p = p.rstrip(",")
         if len(p) > 2 and (p[0], p[-1]) in (("{", "}"), ("(", ")")) and _as_int(p[1:-1]) is not None:
             p = p[1:-1]
-        if "=" in p:
-            p = p.rsplit("=", 1)[1]
+        if p.count("=") == 1 and "," not in p and re.search(r"[a-zA-Z]", p.split("=")[0]):
+            p = p.split("=")[1]
         m = re.fullmatch(r"(-?\d+)[a-zA-Z]{2,}", p)
         if m:
             p = m.group(1)

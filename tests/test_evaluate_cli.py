@@ -152,7 +152,7 @@ def test_input_and_resume_errors_exit_2_before_any_model(single, tmp_path, capsy
     no_answer = _write_jsonl(tmp_path / "x.jsonl", [{"id": "1", "problem": "?"}])
     assert f"{no_answer}:1: missing field 'answer'" in error(*base, "--data", no_answer)
     dup = _write_jsonl(tmp_path / "d.jsonl", [B1[0], B1[0]])
-    assert "problem id 'p1' appears twice" in error(*base, "--data", dup)
+    assert f"{dup}:2: field 'id': 'p1' already on line 1" in error(*base, "--data", dup)
     assert "no/such/model: no such model" in error(*base, "--data", data[0])
     # a run folder is resumed only by a compatible command
     copy = tmp_path / "run"

@@ -31,12 +31,33 @@ def test_read_problems_accepts_alternative_fields_and_keeps_extras(tmp_path):
     ('{"problem": "x"}', "missing field 'answer'"),
     ('{"answer": "3"}', "missing field 'problem'"),
     ('{"problem": "", "answer": "3"}', "missing field 'problem'"),
+    ('{"problem": "x", "answer": [1, 2]}', "field 'answer' must be a string or a number, got list"),
+    ('{"problem": "x", "answer": true}', "field 'answer' must be a string or a number, got bool"),
+    ('{"problem": "x", "answer": {"x": 1}}', "field 'answer' must be"),
+    ('{"problem": "x", "answer": "  "}', "field 'answer' is blank"),
+    ('{"problem": ["x"], "answer": "1"}', "field 'problem' must be a string, got list"),
+    ('{"problem": "x", "solution": 5}', "field 'solution' must be a string"),
+    ('{"id": [1], "problem": "x", "answer": "1"}', "field 'id' must be a string or an integer"),
+    ('{"id": "bad-1", "problem": "x", "answer": "1"}', "field 'id': 'bad-1' already on line 1"),
 ])
 def test_read_problems_errors_name_file_line_and_field(tmp_path, line, msg):
-    p = write(tmp_path / "bad.jsonl", '{"problem": "ok", "answer": "1"}\n' + line + "\n")
+    p = write(tmp_path / "bad.jsonl", '{"problem": "ok", "answer": "1"}\n' + line + "\n")  # line 1's id: bad-1
     with pytest.raises(ValueError) as e:
         ex.read_problems(p)
     assert f"{p}:2:" in str(e.value) and msg in str(e.value)
+
+
+def test_read_problems_numbers_ids_and_empty_files(tmp_path):
+    p = write(tmp_path / "n.jsonl", '{"id": 7, "problem": "x", "answer": 1e20}\n'
+                                    '{"id": null, "problem": " y ", "answer": 0.5}\n')
+    rows = ex.read_problems(p)
+    assert rows[0]["id"] == "7" and rows[0]["answer"] == "100000000000000000000"  # not "1e+20"
+    assert rows[1]["id"] == "n-2" and rows[1]["answer"] == "0.5" and rows[1]["problem"] == "y"
+    with pytest.raises(ValueError, match=r"n.jsonl:2: field 'id': '7' already on line 1"):
+        ex.read_problems(write(tmp_path / "n.jsonl", '{"id": 7, "problem": "x", "answer": 1}\n'
+                                                     '{"id": "7", "problem": "y", "answer": 2}\n'))
+    with pytest.raises(ValueError, match=r"e.jsonl: no problems"):
+        ex.read_problems(write(tmp_path / "e.jsonl", "\n"))
 
 
 def test_append_and_tolerant_read_drop_only_a_torn_last_line(tmp_path):

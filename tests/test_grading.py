@@ -94,7 +94,17 @@ def test_a5_more_integer_near_misses():
     assert grade("2^{99999999999}", "8") is False       # size check, never computed
 
 
+@pytest.mark.parametrize("pred,right", [("m+n=70", True), ("x=70", True), ("x = 70", True),
+                                        ("x=5,y=70", False), ("x=70,y=5", False), ("a=1,b=2,c=70", False),
+                                        ("5=70", False), ("x=y=70", False)])
+def test_integer_gold_takes_one_named_equation_only(pred, right):
+    """`m+n=70` states 70; a list of assignments or a false equation states no one number
+    (the last `=` once made `x=5,y=70` right and `x=70,y=5` wrong against 70)."""
+    assert grade(pred, "70") is right
+
+
 # --- A6: any thread, bounded time ---------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_a6_grade_from_worker_threads():

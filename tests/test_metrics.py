@@ -289,7 +289,13 @@ def test_load_samples_errors_name_file_and_line(tmp_path):
     rows = toy_records()
     p = tmp_path / "samples.jsonl"
     _write(p, rows, tail='{"id": "torn", "sam')                       # killed mid-write
-    assert ev.load_samples(str(p)) == rows
+    assert ev.load_samples(str(p), torn_tail_ok=True) == rows         # a rank's appended file
+    with pytest.raises(ValueError, match=r"samples.jsonl:%d: not valid JSON" % (len(rows) + 1)):
+        ev.load_samples(str(p))                                       # samples.jsonl is atomic
+    for field, value in (("correct", "false"), ("sample_idx", "1"), ("sample_idx", True), ("model_tokens", 1.5)):
+        _write(p, [rows[0], dict(rows[1], **{field: value})])
+        with pytest.raises(ValueError, match=rf"samples.jsonl:2: field '{field}' must be"):
+            ev.load_samples(str(p))
     _write(p, rows[:1], tail="not json\n" + json.dumps(rows[1]) + "\n")
     with pytest.raises(ValueError, match=r"samples.jsonl:2: not valid JSON"):
         ev.load_samples(str(p))
