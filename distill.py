@@ -177,6 +177,32 @@ def sibling(out: str, suffix: str) -> str:
     return stem + suffix
 
 
+# arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
+# only continued with the same ones (batch size, seed and limit may change)
+RUN_ARGS = ("teacher", "exemplars", "dtype", "temperature", "top_p", "top_k", "max_context", "max_new_tokens",
+            "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished")
+
+
+def check_run_args(args, args_path: str, summary_path: str) -> None:
+    """Refuse to append to trajectories made with other RUN_ARGS: compares with the run's
+    saved arguments (`args_path`, or the `args` of an older run's summary).
+
+    Raises:
+        ValueError naming the file and the first differing flag.
+    """
+    saved, where = None, args_path
+    for path in (args_path, summary_path):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                saved, where = json.load(f), path
+            saved = saved.get("args", saved) if path == summary_path else saved
+            break
+    for name in RUN_ARGS if saved else ():
+        if name in saved and saved[name] != getattr(args, name):
+            raise ValueError(f"{where}: the trajectories in {args.out} were made with --{name.replace('_', '-')} "
+                             f"{saved[name]!r}, this run has {getattr(args, name)!r}: use the same or another --out")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
@@ -240,9 +266,12 @@ def main(argv=None):
             print(*a, flush=True)
 
     out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
-    summary_path = sibling(args.out, ".summary.json")
+    summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
+    if os.path.exists(out) or os.path.exists(rejected_path):
+        check_run_args(args, args_path, summary_path)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        ex.write_json_atomic(args_path, vars(args))
         for path in (out, rejected_path):
             if cut := ex.drop_torn_tail(path):
                 print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)

@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 import executor
 from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (_is_ddp, cleanup_distributed, collate, first_loss_column, grad_sync, load_optimizer_state,
-                 load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint, setup_distributed,
-                 token_logprobs, unwrap_model, wrap_model)
+from sft import (_is_ddp, check_run_dirs, cleanup_distributed, collate, first_loss_column, grad_sync,
+                 load_optimizer_state, load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint,
+                 setup_distributed, token_logprobs, unwrap_model, wrap_model)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -106,7 +106,16 @@ def parse_args(argv=None):
                    "loses at most this many steps); 0 = only at the end")
     p.add_argument("--keep-every", type=int, default=20, help="steps between kept out/step_N copies; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.group_size < 2:
+        p.error(f"--group-size {args.group_size}: GRPO's advantage is relative to the group, so G >= 2")
+    if not args.temperature > 0:
+        p.error(f"--temperature {args.temperature}: must be > 0 (the loss divides the logits by it)")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.drop_solved and not os.path.isfile(args.drop_solved):
+        p.error(f"--drop-solved {args.drop_solved}: no such file")
+    return args
 
 
 @dataclass
@@ -616,6 +625,7 @@ def main(argv=None, reward_fn=None):
     paper's reward when called from Python (tests); the command line always uses it."""
     args = parse_args(argv)
     assert args.model or args.resume, "--model or --resume is required"
+    args.resume = check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     rank, local_rank, world, device = setup_distributed(args.seed)
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     # derived sizes
@@ -701,7 +711,8 @@ def main(argv=None, reward_fn=None):
             if args.keep_every and step % args.keep_every == 0:
                 save(f"step_{step:06d}")
     bar.close()
-    print0(f"done: step {step}; checkpoint {os.path.join(args.out, 'latest')}")
+    latest = os.path.join(args.out, "latest")
+    print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
     cleanup_distributed()
 
 

@@ -392,10 +392,19 @@ def load_sft_data(path: str, tokenizer, max_len: int):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             problem = row.get("problem", row.get("question"))
             if problem is None or row.get("completion") is None:
                 raise ValueError(f"{where}: needs 'problem' and 'completion'")
-            outputs = [b["output"] for b in row["blocks"]] if row.get("blocks") else None
+            for key, value in (("problem", problem), ("completion", row["completion"])):
+                if not isinstance(value, str):
+                    raise ValueError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+            blocks = row.get("blocks")
+            if blocks is not None and not (isinstance(blocks, list) and all(
+                    isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
+                raise ValueError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
+            outputs = [b["output"] for b in blocks] if blocks else None
             try:
                 ex = build_example(tokenizer, problem, row["completion"], outputs, stops, where)
             except ValueError as e:
@@ -561,6 +570,30 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     _barrier()
 
 
+def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) -> str | None:
+    """Check --out and --resume before a run writes anything. Returns the checkpoint to
+    resume from, or None. A crash between save_checkpoint's two renames leaves the last
+    checkpoint as `<dir>.old`: that one is used then.
+
+    Raises:
+        SystemExit (one line naming the path): --resume is not a checkpoint directory, or
+            --out already holds a run (one of `run_files`) and no --resume was given; a
+            fresh run there would overwrite its checkpoint and repeat its steps in the logs.
+    """
+    if resume:
+        if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
+            print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
+            resume = resume.rstrip("/") + ".old"
+        if not os.path.isfile(os.path.join(resume, "config.json")):
+            raise SystemExit(f"{prog}: error: --resume {resume}: not a checkpoint directory (no config.json)")
+        return resume
+    found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
+    if found:
+        raise SystemExit(f"{prog}: error: --out {out} already holds a run ({found[0]}); continue it with "
+                         f"--resume {os.path.join(out, run_files[-1])}, or give a new --out")
+    return None
+
+
 def load_trainer_state(ckpt_dir: str, rank: int | None = None) -> dict:
     """This rank's trainer state from a checkpoint (rank 0's if the run had fewer ranks:
     exact for DDP's replicated optimizer, except per-rank RNG)."""
@@ -698,6 +731,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
     rank, local_rank, world, device = setup_distributed(args.seed)
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
     assert args.global_batch % (args.micro_batch * world) == 0, \

@@ -2,6 +2,7 @@
 replayed through the engine), the 3-shot prompt, and the CLI with resume after a kill."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,9 +228,11 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
                             for i in range(3)))
     out = str(tmp_path / "traj.jsonl")
     rej, summ = str(tmp_path / "traj.rejected.jsonl"), str(tmp_path / "traj.summary.json")
+    teacher = str(tmp_path / "teacher")  # a copy of the tiny model, deleted before step 3
+    shutil.copytree(tiny_dir, teacher)
     # 1) a run killed (SIGKILL) as soon as its first batch is on disk, then a torn line as
     # a kill in the middle of a write would leave it
-    cmd, env = cli(tiny_dir, str(data), out, "--batch-size", "1")
+    cmd, env = cli(teacher, str(data), out, "--batch-size", "1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while proc.poll() is None and not (strict_rows(out) or strict_rows(rej)):
@@ -243,7 +246,7 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
     with open(rej, "a") as f:
         f.write('{"id": "q2", "sample_idx": 0, "complet')
     # 2) resume on all three problems: nothing repeated, nothing missing, no torn line
-    cmd, env = cli(tiny_dir, str(data), out, "--batch-size", "2")
+    cmd, env = cli(teacher, str(data), out, "--batch-size", "2")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "torn" in r.stderr
@@ -266,7 +269,13 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
     # 3) a run with nothing left to sample only rewrites the summary: the teacher is not
     # even loaded (a path that does not exist would fail to load)
     os.remove(summ)
-    cmd, env = cli(str(tmp_path / "no_such_teacher"), str(data), out)
+    shutil.rmtree(teacher)
+    cmd, env = cli(teacher, str(data), out)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(summ))["trajectories"] == 6 and strict_rows(out) == kept
+    # 4) other sampling settings would mix two distributions in one file: refused
+    cmd, env = cli(teacher, str(data), out, "--temperature", "0.01")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
+    assert r.returncode != 0 and "traj.args.json: the trajectories" in r.stderr
+    assert "--temperature 0.6, this run has 0.01" in r.stderr

@@ -437,8 +437,11 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     grpo.main(_cli(tiny_dir, data, a, "--steps", "4"), reward_fn=first_token_reward)
     grpo.main(_cli(tiny_dir, data, b, "--steps", "2"), reward_fn=first_token_reward)
-    with open(os.path.join(b, "metrics.jsonl"), "a") as f:  # a crash after logging step 3
+    with pytest.raises(SystemExit, match=r"already holds a run \(metrics.jsonl\); continue it with --resume"):
+        grpo.main(_cli(tiny_dir, data, b, "--steps", "4"))  # a fresh run would overwrite b's
+    with open(os.path.join(b, "metrics.jsonl"), "a") as f:  # a crash after logging step 3,
         f.write(json.dumps({"step": 3, "reward_mean": -1}) + "\n")
+    os.replace(os.path.join(b, "latest"), os.path.join(b, "latest.old"))  # inside save_checkpoint's swap
     grpo.main(_cli(tiny_dir, data, b, "--steps", "4", "--resume", os.path.join(b, "latest")),
               reward_fn=first_token_reward)
     wa, wb = _load_weights(os.path.join(a, "latest")), _load_weights(os.path.join(b, "latest"))
@@ -460,6 +463,15 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
               reward_fn=first_token_reward)
     later = [r for r in ex.read_jsonl_tolerant(os.path.join(a, "pass_rates.jsonl")) if r["step"] > 4]
     assert len(later) == 4 and not {r["id"] for r in later} & {"p0", "p1"}
+
+
+@pytest.mark.parametrize("flags, msg", [(("--group-size", "1"), "G >= 2"), (("--temperature", "0"), "must be > 0"),
+                                        (("--drop-solved", "no/such.jsonl"), "no/such.jsonl: no such file")])
+def test_bad_arguments_are_refused_before_loading(flags, msg, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        grpo.main(["--model", "no/such/model", "--out", str(tmp_path / "o"), *flags])
+    assert msg in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o")
 
 
 @pytest.mark.timeout(30)

@@ -4,6 +4,7 @@ memorises THINC trajectories and then replays one through the engine with real e
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -198,6 +199,19 @@ THINK_TEMPLATE = (  # Qwen3-like: the last assistant turn gets an (empty) think 
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+@pytest.mark.parametrize("row, msg", [
+    ({"problem": "p", "completion": 12345}, "field 'completion' must be a string, got int"),
+    ({"problem": ["p"], "completion": "c"}, "field 'problem' must be a string"),
+    ({"problem": "p", "completion": "c", "blocks": "oops"}, "field 'blocks' must be a list"),
+    ({"problem": "p", "completion": "c", "blocks": [{"code": "1"}]}, "field 'blocks' must be a list of objects with a string 'output'"),
+    ([1, 2], "expected a JSON object"),
+])
+def test_bad_trajectory_rows_name_file_line_and_field(tmp_path, row, msg):
+    path = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(1) + [row])
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: " + re.escape(msg)):
+        sft.load_sft_data(path, tiny.make_tokenizer(), max_len=4096)
+
+
 @pytest.mark.timeout(30)
 def test_template_variants(tmp_path):
     tok = tiny.make_tokenizer()
@@ -315,6 +329,10 @@ def test_resume_is_exact(tmp_path, tiny_dir):
               "--max-steps", "4", "--warmup", "0.25", "--lr", "1e-3", "--no-progress"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sft.main(common + ["--out", a, "--save-every", "2"])  # 4 steps straight, a checkpoint at 2
+    with pytest.raises(SystemExit, match=r"already holds a run \(log.jsonl\)"):
+        sft.main(common + ["--out", a])  # a fresh run there would log steps 1-4 twice
+    with pytest.raises(SystemExit, match=r"--resume .*nope: not a checkpoint directory"):
+        sft.main(common + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "nope")])
     sft.main(common + ["--out", b, "--resume", os.path.join(a, "step_000002")])  # 2 more from it
     wa, wb = load_file(f"{a}/final/model.safetensors"), load_file(f"{b}/final/model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
