@@ -24,6 +24,7 @@ Departures from the paper (it does not describe its executor):
 import argparse
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import json
@@ -1539,11 +1540,21 @@ def write_json_atomic(path: str, obj) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2, ensure_ascii=False))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the file from the group
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2, ensure_ascii=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or Ctrl-C leaves no temp file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_UMASK = os.umask(0o022)  # read once at import (setting it back at once); the mode open() would give
+os.umask(_UMASK)
 
 
 def sample_record(problem: dict, sample) -> dict:

@@ -78,6 +78,10 @@ def test_write_json_atomic_leaves_no_temp_files(tmp_path):
     ex.write_json_atomic(str(p), {"x": 2})
     assert json.loads(p.read_text()) == {"x": 2}
     assert os.listdir(tmp_path) == ["m.json"]
+    assert os.stat(p).st_mode & 0o777 == 0o666 & ~ex._UMASK  # as open() would make it, not 0600
+    with pytest.raises(TypeError):  # a failure mid-write keeps the old file and leaves no temp file
+        ex.write_json_atomic(str(p), {"x": object()})
+    assert json.loads(p.read_text()) == {"x": 2} and os.listdir(tmp_path) == ["m.json"]
 
 
 def test_packaged_model_assembles_chunks_in_order_and_checks_sha(tmp_path, monkeypatch):
