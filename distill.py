@@ -183,23 +183,20 @@ RUN_ARGS = ("teacher", "exemplars", "dtype", "temperature", "top_p", "top_k", "m
             "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished")
 
 
-def check_run_args(args, args_path: str, summary_path: str) -> None:
-    """Refuse to append to trajectories made with other RUN_ARGS: compares with the run's
-    saved arguments (`args_path`, or the `args` of an older run's summary).
+def check_run_args(args, args_path: str) -> None:
+    """Refuse to append to trajectories made with other RUN_ARGS than this run's: compares
+    with the arguments the run saved in `args_path` (beside --out), if any.
 
     Raises:
         ValueError naming the file and the first differing flag.
     """
-    saved, where = None, args_path
-    for path in (args_path, summary_path):
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                saved, where = json.load(f), path
-            saved = saved.get("args", saved) if path == summary_path else saved
-            break
-    for name in RUN_ARGS if saved else ():
+    if not os.path.exists(args_path):
+        return
+    with open(args_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    for name in RUN_ARGS:
         if name in saved and saved[name] != getattr(args, name):
-            raise ValueError(f"{where}: the trajectories in {args.out} were made with --{name.replace('_', '-')} "
+            raise ValueError(f"{args_path}: the trajectories in {args.out} were made with --{name.replace('_', '-')} "
                              f"{saved[name]!r}, this run has {getattr(args, name)!r}: use the same or another --out")
 
 
@@ -267,8 +264,8 @@ def main(argv=None):
 
     out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
     summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
-    if os.path.exists(out) or os.path.exists(rejected_path):
-        check_run_args(args, args_path, summary_path)
+    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
+        check_run_args(args, args_path)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         ex.write_json_atomic(args_path, vars(args))

@@ -1402,11 +1402,12 @@ _PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth"
 def _problem_value(path, lineno, key, value, numbers_ok: bool) -> str:
     """One text field of a problems line as a stripped, non-blank string (numbers allowed
     for answers: 1e20 becomes "100000000000000000000", not "1e+20")."""
-    if isinstance(value, float) and numbers_ok and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, str) and not (numbers_ok and isinstance(value, (int, float))):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (isinstance(value, str) or numbers_ok and number):
         want = "a string or a number" if numbers_ok else "a string"
         raise ValueError(f"{path}:{lineno}: field '{key}' must be {want}, got {type(value).__name__} {value!r}")
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
     value = str(value).strip()
     if not value:
         raise ValueError(f"{path}:{lineno}: field '{key}' is blank")

@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 import executor
 from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (_is_ddp, check_run_dirs, cleanup_distributed, collate, first_loss_column, grad_sync,
-                 load_optimizer_state, load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint,
-                 setup_distributed, token_logprobs, unwrap_model, wrap_model)
+from sft import (check_run_dirs, cleanup_distributed, collate, first_loss_column, grad_sync, load_optimizer_state,
+                 load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint, setup_distributed,
+                 token_logprobs, unwrap_model, wrap_model, zero_grad)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -489,9 +489,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
             gn = gn.full_tensor()
         grad_norm += float(gn)
         optimizer.step()
-        # under DDP the gradients are views into its buckets: zero them in place. Set to None,
-        # the next micro-steps under no_sync would allocate a second full copy of them
-        optimizer.zero_grad(set_to_none=not _is_ddp(model))
+        zero_grad(optimizer, model)
         steps += 1
     out = {n: float(v) for n, v in acc.items()}
     out.update(grad_norm=grad_norm, optimizer_steps=steps)
@@ -625,8 +623,8 @@ def main(argv=None, reward_fn=None):
     paper's reward when called from Python (tests); the command line always uses it."""
     args = parse_args(argv)
     assert args.model or args.resume, "--model or --resume is required"
-    args.resume = check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     rank, local_rank, world, device = setup_distributed(args.seed)
+    args.resume = check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     # derived sizes
     assert args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} % {world} ranks != 0"

@@ -136,6 +136,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def zero_grad(optimizer, model: nn.Module):
+    """Clear the gradients after an optimizer step. Under DDP they are views into its
+    all-reduce buckets (`gradient_as_bucket_view`) and are zeroed in place: set to None,
+    the next micro-steps under no_sync would allocate a second full copy of them."""
+    optimizer.zero_grad(set_to_none=not _is_ddp(model))
+
+
 def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing: bool = False) -> nn.Module:
     """Prepare a Hugging Face causal LM for training on this rank.
 
@@ -613,14 +620,20 @@ def load_trainer_state(ckpt_dir: str, rank: int | None = None) -> dict:
 
 
 def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = False):
-    """AdamW, betas (0.9, 0.999), eps 1e-8 (the paper's optimizer).
+    """AdamW, the paper's optimizer (its lr is the caller's); betas (0.9, 0.999) and eps 1e-8
+    are ours (departure 3 above).
 
     With `shard` and several DDP ranks: ZeRO stage 1 (torch's ZeroRedundancyOptimizer). Each
     rank keeps AdamW's two moments for only its share of the parameters, updates that share
     and broadcasts it; the update is the same as unsharded AdamW's. This saves
-    (1 - 1/world) x 8 bytes per parameter a rank: 2.5 GB a rank for the 630M-parameter
-    Qwen2.5-0.5B (untied head) on 2 ranks, what lets the 2-rank CPU demo train twice.
-    Ignored with one rank or FSDP (whose optimizer state is sharded with the weights).
+    (1 - 1/world) x 8 bytes per fp32 parameter a rank: 2.5 GB a rank for the 630M-parameter
+    Qwen2.5-0.5B (untied head) on 2 ranks. Ignored with one rank or FSDP (whose optimizer
+    state is sharded with the weights).
+
+    Returns:
+        a torch.optim.AdamW, or a ZeroRedundancyOptimizer wrapping one (its `param_groups`
+        are the ones to schedule; save and restore with `optimizer_state` /
+        `load_optimizer_state`, not `state_dict`).
     """
     params = list(params)
     if shard and dist.is_initialized() and dist.get_world_size() > 1 \
@@ -635,40 +648,43 @@ def _is_sharded_optimizer(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
+def _copy_hyperparameters(dst_groups, src_groups):
+    # ZeRO keeps two sets of param groups: the exposed ones (a scheduler writes lr there)
+    # and its local optimizer's, which it refreshes from the exposed ones only at a step
+    for dst, src in zip(dst_groups, src_groups):
+        dst.update({k: v for k, v in src.items() if k != "params"})
+
+
 def optimizer_state(opt) -> dict:
     """The optimizer's entry of this rank's trainer state: {"optimizer": full state dict},
-    or under ZeRO {"optimizer_shard": this rank's share, "optimizer_world_size": ranks}
-    (each rank writes its own share: consolidating on rank 0 would bring back the memory
-    that sharding saves)."""
+    or under ZeRO {"optimizer_shard": this rank's share}, with the exposed (current)
+    hyperparameters. Each rank writes its own share: consolidating on rank 0 would bring
+    back the memory that sharding saves. The trainer state's "world_size" says how many
+    shares there are."""
     if _is_sharded_optimizer(opt):
         share = opt.optim.state_dict()
-        # ZeRO's local optimizer sees the exposed hyperparameters only at its next step, so
-        # after a scheduler step its lr is stale: save the exposed ones
-        for local, exposed in zip(share["param_groups"], opt.param_groups):
-            local.update({k: v for k, v in exposed.items() if k != "params"})
-        return {"optimizer_shard": share, "optimizer_world_size": dist.get_world_size()}
+        _copy_hyperparameters(share["param_groups"], opt.param_groups)
+        return {"optimizer_shard": share}
     return {"optimizer": opt.state_dict()}
 
 
 def load_optimizer_state(opt, state: dict, where: str):
-    """Restore what `optimizer_state` saved into `opt` (made by `make_optimizer`). A full
-    state loads into either kind; a ZeRO share only into ZeRO on as many ranks.
+    """Restore what `optimizer_state` saved (in `state`, a trainer state with "world_size")
+    into `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share
+    only into ZeRO on as many ranks.
 
     Raises:
         ValueError naming `where` (the checkpoint) when the shares do not fit this run.
     """
-    if "optimizer_shard" in state:
-        n = state["optimizer_world_size"]
-        if not _is_sharded_optimizer(opt) or n != dist.get_world_size():
-            raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
-                             f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
-        opt.optim.load_state_dict(state["optimizer_shard"])
-        # the saved hyperparameters (lr, ...) go to the exposed groups too: ZeRO copies those
-        # onto its local optimizer at every step
-        for exposed, local in zip(opt.param_groups, opt.optim.param_groups):
-            exposed.update({k: v for k, v in local.items() if k != "params"})
-    else:
+    if "optimizer_shard" not in state:
         opt.load_state_dict(state["optimizer"])  # ZeRO keeps its own share of a full state
+        return
+    n = state["world_size"]
+    if not _is_sharded_optimizer(opt) or n != dist.get_world_size():
+        raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
+                         f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
+    opt.optim.load_state_dict(state["optimizer_shard"])
+    _copy_hyperparameters(opt.param_groups, opt.optim.param_groups)
 
 
 def _rng_state() -> dict:
@@ -731,8 +747,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
     rank, local_rank, world, device = setup_distributed(args.seed)
+    args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
     assert args.global_batch % (args.micro_batch * world) == 0, \
         f"--global-batch {args.global_batch} is not a multiple of micro-batch {args.micro_batch} x {world} ranks"
@@ -800,9 +816,7 @@ def main(argv=None):
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
-        # under DDP the gradients are views into its buckets: zero them in place. Set to None,
-        # the next micro-steps under no_sync would allocate a second full copy of them
-        opt.zero_grad(set_to_none=not _is_ddp(model))
+        zero_grad(opt, model)
         step += 1
         dt = time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),

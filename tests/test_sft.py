@@ -508,4 +508,4 @@ def test_sharded_optimizer_state_needs_a_sharded_optimizer():
     opt = sft.make_optimizer([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, shard=True)  # one process: plain
     assert type(opt) is torch.optim.AdamW
     with pytest.raises(ValueError, match=r"ckpt/latest: .*sharded over 2 ranks"):
-        sft.load_optimizer_state(opt, {"optimizer_shard": {}, "optimizer_world_size": 2}, "ckpt/latest")
+        sft.load_optimizer_state(opt, {"optimizer_shard": {}, "world_size": 2}, "ckpt/latest")
