@@ -1599,8 +1599,8 @@ def sample_record(problem: dict, sample) -> dict:
 #    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
 #    places, `\\text{}` answers). It runs in a helper process with a wall-clock limit that
 #    holds from any thread (Math-Verify's own timeouts use SIGALRM, main thread only): a
-#    comparison that misses it kills the helper, a fresh one is started at once, and the
-#    answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
+#    comparison that misses it kills the helper (the next call starts a fresh one) and
+#    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
 #    helper that died) are counted in GRADER_FAILURES for the stages' logs.
 
 MAX_ANSWER_CHARS = 1000        # raw answer length above which grading says "wrong" at once
@@ -1674,7 +1674,7 @@ def extract_answer(text: str, prose_only: bool = True):
 # ---------------------------------------------------------------------------------------
 
 _LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
-_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
                     r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
 _UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
@@ -1690,16 +1690,17 @@ def number_value(answer: str):
 
     Read: a decimal (`004`, `70.`, `70.0`, `-.5`, `1,000`, `10,\\!080`: thousands groups
     only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
-    integer literals, or `a^{b}` of integer literals; around it, `$`, `\\$`, `%`, `\\%`,
-    `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees, `\\text{...}` and outer `{}` / `()`
-    are dropped, and so are a trailing `.` or `,` and a trailing unit (`\\text{ cm}`, or
-    a word of two or more letters after the number: `70 cm`, `70ways`; `70x` is not read).
-    Not read: a comma followed by a space (`12, 345` is a list) and digits split by a
-    space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it
-    equals no answer; never computed). Linear-time regexes; never raises on str input.
+    integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
+    `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
+    degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
+    unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
+    `70ways`; `70x` is not read). Not read: a comma followed by a space (`12, 345` is a
+    list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
+    digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
+    an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
     """
     s = answer.strip().replace("\u2212", "-")
-    if _LIST_OR_SPLIT.search(s):
+    if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
     s = _NOISE.sub("", s)
     s = _TEXT.sub(r"\1", s)
@@ -1712,7 +1713,7 @@ def number_value(answer: str):
     m = _POWER.fullmatch(s)
     if m:
         base, exp = int(m[2]), int(m[3] or m[4])
-        if base > 1 and exp * math.log10(base) > MAX_ANSWER_CHARS + 1:
+        if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
             return math.inf
         return Fraction(base ** exp * (-1 if m[1] else 1))
     return None
@@ -1728,7 +1729,7 @@ def _serve_grader():
     Math-Verify's own SIGALRM timeouts work here (this is the helper's main thread); they
     end a stuck comparison if the parent died, the parent's deadline is the one that counts.
     math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
-    dependency for grading: a well-kept grader instead of a parser of our own (issue 14)."""
+    dependency for grading: a well-kept grader instead of a parser of our own."""
     import resource
     from math_verify import parse, verify
     with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine

@@ -1,5 +1,6 @@
-"""Answer extraction and grading: extraction and the integer rule (cases A1-A6), the
-Math-Verify path for non-integer (MATH-style) answers, and its time limit from any thread."""
+"""Answer extraction and grading: extraction and the integer rule (tests/faults.md A1-A6),
+the Math-Verify path for non-integer (MATH-style) answers, and its time limit from any
+thread (issue 14), on pathological input and when the helper dies."""
 import math
 import os
 import signal
@@ -244,11 +245,11 @@ def test_extract_misc_forms():
     ("004", 4), ("-0", 0), ("+5", 5), ("70.", 70), ("70.0", 70), ("1.50", Fraction(3, 2)),
     (".5", Fraction(1, 2)), ("-.5", Fraction(-1, 2)), (r"\$70", 70), (r"70\%", 70), (r"$70$", 70),
     (r"70\text{ cm}", 70), (r"864 \mbox{ inches}^2", 864), ("70 cm", 70), ("70ways", 70),
-    (r"\text{70}", 70), (r"90^\circ", 90), (r"90^{\circ}", 90), (r"\left(70\right)", 70),
+    (r"\text{70}", 70), (r"90^\circ", 90), (r"90^{\circ}", 90), ("90\u00b0", 90), (r"\left(70\right)", 70),
     ("{70}", 70), ("70,", 70), ("1,000", 1000), (r"10,\!080", 10080),
     (r"11,\! 111,\! 111,\! 100", 11111111100), (r"\dfrac{140}{2}", 70), (r"-\frac{3}{4}", Fraction(-3, 4)),
     (r"\tfrac{1}{2}", Fraction(1, 2)), ("140/2", 70), ("10^{3}", 1000), ("10^3", 1000), ("-2^{2}", -4),
-    ("2^{99999999999}", math.inf), ("\u22125", -5),
+    ("2^{99999999999}", math.inf), ("2^{" + "9" * 400 + "}", math.inf), ("1" * 5000, None), ("\u22125", -5),
     ("1,-2", None), ("0,500", None), ("(1,000)", None), ("70x", None), (r"\frac{140}{0}", None),
     (r"4\sqrt{2}", None), (r"2\cdot35", None), (TOWER, None), ("", None), ("x", None),
 ])
