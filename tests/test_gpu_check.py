@@ -81,6 +81,8 @@ def test_training_rows_count_their_loss_tokens(dry_run):
     sft_rows = [r for r in report["rows"] if r["row"].startswith("sft")]
     assert [r["seq_tokens"] for r in sft_rows] == [128, 256, 128, 256]
     assert all(r["time_s"] > 0 and r["peak_gib"] is None for r in grpo_rows + sft_rows)
+    # checkpointing really is off, on, off, on (the SFT rows come after the checkpointed GRPO rows)
+    assert [r["checkpointing"] for r in grpo_rows + sft_rows] == [False, False, True, True] * 2
 
 
 def test_fit_row_from_the_measured_training_state(dry_run):

@@ -5,9 +5,10 @@ Models are random-initialised from Qwen3Config with the real Qwen3-1.7B / Qwen3-
 ids are a subset of the 151,936-token vocabulary). Rows, each measured on its own (a row
 that fails, e.g. out of memory, is recorded as an error and the others still run):
 
-  decode   engine (`executor.rollout`) vs transformers `generate`, batch 1 / 8 / 32, bf16:
-           tokens/s and the fraction of the bandwidth bound, B / ((weight bytes + KV bytes
-           read per step) / measured copy bandwidth).
+  decode   engine (`executor.rollout`) vs transformers `generate`, batch 1 / 8 / 32, bf16,
+           128 new tokens after 128-token prompts (the prefill is < 2% of the work and is
+           timed too): tokens/s and the fraction of the bandwidth bound, B / ((weight bytes +
+           KV bytes read per step) / copy bandwidth, read + write, measured in the run).
   rollout  3 tool turns at batch 32 (4 prompts x G 8) over 2K-token histories, real
            sandbox: the engine continues from its KV cache; the baseline calls `generate`
            once per turn on the whole history (a fresh prefill each turn).
@@ -26,8 +27,8 @@ logits processor; the same (B, V) work on both sides). The rollout script is, pe
 filler then "\\n```python\\nprint(k)\\n```", so the engine's own fence detection stops the
 row and the sandbox runs the block.
 
-    python tests/benchmarks/gpu_check.py               # one GPU, about 6-8 minutes
-    python tests/benchmarks/gpu_check.py --dry-run     # tiny shapes, CPU, seconds
+    python tests/benchmarks/gpu_check.py               # one GPU: 4-8 minutes (estimated, never run)
+    python tests/benchmarks/gpu_check.py --dry-run     # tiny shapes, CPU: about 30 s on 2 cores
     python tests/benchmarks/gpu_check.py --rows decode,fit --out /tmp/check.json
 
 Prints one line per row and writes every row (after each row) to --out as JSON
@@ -79,7 +80,8 @@ GiB = 1 << 30
 
 class Forced(torch.nn.Module):
     """The model's real forward, then logits one-hot on next_token(position, n_fed) for each
-    row that was fed something (position: of its last fed token; n_fed: tokens it fed)."""
+    row that was fed something (position: of its last fed token; n_fed: tokens it fed), or
+    on next_token itself if it is a token id (no device sync then, as in `ForceTokens`)."""
 
     def __init__(self, lm, next_token):
         super().__init__()
@@ -88,11 +90,15 @@ class Forced(torch.nn.Module):
 
     def forward(self, **kw):
         out = self.lm(**kw)
+        forced = torch.full_like(out.logits[:, -1:], -1e4)  # (B, 1, V)
+        if isinstance(self.next_token, int):
+            forced[:, :, self.next_token] = 0.0
+            out.logits = forced
+            return out
         L = kw["input_ids"].shape[1]
         fed = kw["attention_mask"][:, -L:].sum(dim=1).tolist()
         pos = kw["position_ids"][:, -1].tolist()
         tokens = torch.tensor([self.next_token(p, f) if f else 0 for p, f in zip(pos, fed)], device=out.logits.device)
-        forced = torch.full_like(out.logits[:, -1:], -1e4)  # (B, 1, V)
         out.logits = forced.scatter_(2, tokens[:, None, None], 0.0)
         return out
 
@@ -198,9 +204,12 @@ def copy_bandwidth(ctx, reps=10):
 def kv_bytes_per_token(ctx, lm, n=64):
     """Bytes the KV cache holds per token, measured on a transformers cache after n tokens."""
     cache = DynamicCache(config=lm.config)
-    with torch.inference_mode():
+    with torch.inference_mode():  # the keyword the engine passes its cache with
         lm(input_ids=torch.full((1, n), ctx.x, device=ctx.dev), cache=cache, use_cache=True)
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / n
+    filled = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    if not filled:  # the engine would then decode without its history, silently
+        raise RuntimeError(f"transformers {transformers.__version__} ignored the cache passed as cache=")
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in filled) / n
 
 
 def weight_bytes(lm):
@@ -236,11 +245,13 @@ def synthetic_samples(ctx, length, n):
 
 
 def set_checkpointing(ctx, model, on):
+    """Turn gradient checkpointing on (as the stages do) or off; returns whether it is on now."""
     lm = sft.unwrap_model(model)
     if on:
         sft.wrap_model(lm, ctx.dev, grad_checkpointing=True)
-    elif lm.is_activation_checkpointing:
-        lm.activation_checkpointing_disable()
+    else:  # the transformers 5.2x name, or the older one
+        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
+    return any(getattr(m, "gradient_checkpointing", False) for m in lm.modules())
 
 
 def sft_step(ctx, model, opt, length):
@@ -260,7 +271,7 @@ def sft_step(ctx, model, opt, length):
 def decode_row(ctx, name, batch):
     lm, T, P = ctx.get(("policy", name)), ctx.S["new"], ctx.S["prompt"]
     rows = prompts(ctx, batch, P)
-    engine = Forced(lm, lambda pos, n_fed: ctx.x)
+    engine = Forced(lm, ctx.x)
     ours = lambda: ex.rollout(engine, ctx.tok, rows, ctx.sandbox, temperature=0, max_new_tokens=T,  # noqa: E731
                               max_context=P + T + 8)
     ours()  # warm-up (kernels, allocator)
@@ -311,21 +322,22 @@ def rollout_row(ctx, turns=3):
 
 def grpo_row(ctx, length, ckpt):
     model, opt = ctx.get("trainer")
-    set_checkpointing(ctx, model, ckpt)
+    checkpointing = set_checkpointing(ctx, model, ckpt)
     args = grpo.parse_args(["--data", "-", "--out", "-", "--micro-batch", "1"])
     d = grpo.Dist(device=ctx.dev, autocast_dtype=ctx.autocast)
     samples = synthetic_samples(ctx, length, 2)
     t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), args, d,
                                                           ctx.pad))
-    return dict(seq_tokens=length, sequences=2, time_s=t, train_tok_s=2 * length / t, peak_gib=peak,
-                loss_tokens=m["loss_tokens"])
+    return dict(seq_tokens=length, sequences=2, checkpointing=checkpointing, time_s=t, train_tok_s=2 * length / t,
+                peak_gib=peak, loss_tokens=m["loss_tokens"])
 
 
 def sft_row(ctx, length, ckpt):
     model, opt = ctx.get("trainer")
-    set_checkpointing(ctx, model, ckpt)
+    checkpointing = set_checkpointing(ctx, model, ckpt)
     t, peak, _ = measured(ctx, lambda: sft_step(ctx, model, opt, length))
-    return dict(seq_tokens=length, sequences=1, time_s=t, train_tok_s=length / t, peak_gib=peak)
+    return dict(seq_tokens=length, sequences=1, checkpointing=checkpointing, time_s=t, train_tok_s=length / t,
+                peak_gib=peak)
 
 
 def fit_row(ctx, prompts_per_rank=16):
@@ -376,10 +388,20 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not a.dry_run and a.device == "cpu":
         p.error("paper shapes need a GPU; use --dry-run on CPU")
+    threads = torch.get_num_threads()
+    if a.device == "cpu":
+        torch.set_num_threads(1)  # tiny shapes: threads only add stalls on a shared machine
+    try:
+        return run_rows(a)
+    finally:
+        torch.set_num_threads(threads)  # main() is also called in-process by the test
+
+
+def run_rows(a):
     ctx = Context(a)
     name = torch.cuda.get_device_name(ctx.dev) if ctx.cuda else "cpu"
     report = dict(device=name, dry_run=a.dry_run, torch=torch.__version__, transformers=transformers.__version__,
-                  rows=[])
+                  copy_bandwidth_gb_s=None, wall_s=0.0, rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     t_start = time.perf_counter()
     with ctx.sandbox:
