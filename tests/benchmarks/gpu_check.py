@@ -48,7 +48,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, Qwen3Config  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..")]
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import executor as ex  # noqa: E402
 import grpo  # noqa: E402
 import sft  # noqa: E402
@@ -72,6 +73,8 @@ PAPER = dict(models=QWEN3, big="qwen3-4b", vocab=151936, batches=(1, 8, 32), pro
 DRY = dict(models=TINY, big="tiny-b", vocab=512, batches=(1, 8, 32), prompt=16, new=8, group=8,
            rollout_batch=16, history=64, turn=16, grpo=(64, 128), sft=(128, 256), context=256, copy_mib=64)
 GiB = 1 << 30
+# what the stages' parse_args require; nothing is read from or written to them here
+STAGE_ARGS = ["--data", os.path.join(ROOT, "data", "demo_problems.jsonl"), "--out", os.path.join(ROOT, "runs", "unused")]
 
 
 # -----------------------------------------------------------------------------
@@ -257,11 +260,11 @@ def set_checkpointing(ctx, model, on):
 def sft_step(ctx, model, opt, length):
     s = synthetic_samples(ctx, length, 1)[0]
     mb = sft.collate([{"ids": s.ids, "roles": s.roles}], ctx.pad, ctx.dev)
-    args = sft.parse_args(["--data", "-", "--out", "-"])
+    args = sft.parse_args(STAGE_ARGS)
     sft.backward_step(model, [mb], chunk_size=args.chunk_size, autocast_dtype=ctx.autocast)
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     opt.step()
-    sft.zero_grad(opt, model)
+    opt.zero_grad(set_to_none=True)  # one process: no DDP buckets to keep
 
 
 # -----------------------------------------------------------------------------
@@ -323,7 +326,7 @@ def rollout_row(ctx, turns=3):
 def grpo_row(ctx, length, ckpt):
     model, opt = ctx.get("trainer")
     checkpointing = set_checkpointing(ctx, model, ckpt)
-    args = grpo.parse_args(["--data", "-", "--out", "-", "--micro-batch", "1"])
+    args = grpo.parse_args(STAGE_ARGS + ["--micro-batch", "1"])
     d = grpo.Dist(device=ctx.dev, autocast_dtype=ctx.autocast)
     samples = synthetic_samples(ctx, length, 2)
     t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), args, d,
@@ -343,7 +346,7 @@ def sft_row(ctx, length, ckpt):
 def fit_row(ctx, prompts_per_rank=16):
     """prompts_per_rank: the paper's 128 prompts per step over 8 GPUs."""
     (model, opt), policy = ctx.get("trainer"), ctx.get(("policy", ctx.S["big"]))
-    sft.zero_grad(opt, model)
+    opt.zero_grad(set_to_none=True)  # as between GRPO steps: no gradients during rollouts
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None] + state
     resident = sum(t.numel() * t.element_size() for t in tensors) + weight_bytes(policy)
@@ -415,7 +418,7 @@ def run_rows(a):
             except Exception as e:  # e.g. out of memory: record it, free what it held, go on
                 row = dict(row=label, error=f"{type(e).__name__}: {str(e)[:300]}")
             if "error" in row and "trainer" in ctx.objects:
-                sft.zero_grad(ctx.objects["trainer"][1], ctx.objects["trainer"][0])  # a half-done backward
+                ctx.objects["trainer"][1].zero_grad(set_to_none=True)  # a half-done backward
             ctx.keep(needs)
             row["wall_s"] = time.perf_counter() - t0
             report["rows"].append(row)
