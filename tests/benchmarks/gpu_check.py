@@ -74,7 +74,8 @@ DRY = dict(models=TINY, big="tiny-b", vocab=512, batches=(1, 8, 32), prompt=16, 
            rollout_batch=16, history=64, turn=16, grpo=(64, 128), sft=(128, 256), context=256, copy_mib=64)
 GiB = 1 << 30
 # what the stages' parse_args require; nothing is read from or written to them here
-STAGE_ARGS = ["--data", os.path.join(ROOT, "data", "demo_problems.jsonl"), "--out", os.path.join(ROOT, "runs", "unused")]
+STAGE_ARGS = ["--data", os.path.join(ROOT, "data", "demo_problems.jsonl"),
+              "--out", os.path.join(ROOT, "runs", "unused")]
 
 
 # -----------------------------------------------------------------------------
@@ -139,14 +140,26 @@ class TurnPlan:
 
 
 class Context:
+    """Shapes (PAPER or DRY), device, tokenizer, and the models, trainer and sandbox that
+    rows share; `keep` frees what the next row does not need."""
+
     def __init__(self, a):
         self.S, self.dev = DRY if a.dry_run else PAPER, torch.device(a.device)
         self.cuda = self.dev.type == "cuda"
         self.autocast = torch.bfloat16 if self.cuda else None  # as grpo.py / sft.py
         self.tok = tiny.make_tokenizer()
         self.x, self.eos, self.pad = self.tok.encode("x")[0], self.tok.eos_token_id, self.tok.pad_token_id
-        self.objects, self.bandwidth = {}, None
-        self.sandbox = ex.Sandbox(workers=min(8, os.cpu_count() or 1))
+        self.objects, self.bandwidth, self._sandbox = {}, None, None
+
+    @property
+    def sandbox(self):
+        if self._sandbox is None:  # started on first use: the training rows need none
+            self._sandbox = ex.Sandbox(workers=min(8, os.cpu_count() or 1))
+        return self._sandbox
+
+    def close(self):
+        if self._sandbox is not None:
+            self._sandbox.close()
 
     def build(self, name, dtype):
         cfg = Qwen3Config(vocab_size=self.S["vocab"], max_position_embeddings=40960, tie_word_embeddings=True,
@@ -178,19 +191,15 @@ class Context:
             torch.cuda.empty_cache()
 
 
-def sync(ctx):
-    if ctx.cuda:
-        torch.cuda.synchronize()
-
-
 def measured(ctx, fn):
     """(seconds, peak GiB allocated or None on CPU, fn's result)."""
-    sync(ctx)
     if ctx.cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     out = fn()
-    sync(ctx)
+    if ctx.cuda:
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return dt, torch.cuda.max_memory_allocated() / GiB if ctx.cuda else None, out
 
@@ -407,7 +416,7 @@ def run_rows(a):
                   copy_bandwidth_gb_s=None, wall_s=0.0, rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     t_start = time.perf_counter()
-    with ctx.sandbox:
+    try:
         for label, needs, fn, args in plan(ctx.S):
             if a.rows and not label.startswith(tuple(a.rows.split(","))):
                 continue
@@ -427,6 +436,8 @@ def run_rows(a):
             print(f"{label:<28} " + "  ".join(f"{k}={fmt(v)}" for k, v in row.items() if k != "row"), flush=True)
             with open(a.out, "w") as f:
                 json.dump(report, f, indent=1)
+    finally:
+        ctx.close()
     print(f"{name}, copy bandwidth {fmt(report['copy_bandwidth_gb_s'])} GB/s, {report['wall_s']:.0f} s; "
           f"report: {a.out}")
     return sum("error" in r for r in report["rows"])
