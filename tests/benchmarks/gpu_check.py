@@ -163,7 +163,7 @@ class Context:
 
     def build(self, name, dtype):
         cfg = Qwen3Config(vocab_size=self.S["vocab"], max_position_embeddings=40960, tie_word_embeddings=True,
-                          rope_theta=1e6, eos_token_id=self.eos, pad_token_id=self.pad, bos_token_id=None,
+                          eos_token_id=self.eos, pad_token_id=self.pad, bos_token_id=None,
                           **self.S["models"][name])
         torch.manual_seed(0)
         with self.dev:  # initialised in place: a 4B model in seconds
