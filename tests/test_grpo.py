@@ -25,6 +25,7 @@ for p in (ROOT, HERE):
 
 import executor as ex  # noqa: E402
 import grpo  # noqa: E402
+import sft  # noqa: E402
 import tiny  # noqa: E402
 from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PROMPT, Sample  # noqa: E402
 
@@ -88,7 +89,7 @@ L2_LENGTHS, L2_ADV = [1, 1, 1, 97], [1.0, -0.5, 0.25, -1.0]
 def l2_grad(lm, samples, adv, micro, d=None):
     """Gradient of one GRPO update over `samples` with micro-batch `micro` on this rank."""
     d = d or grpo.Dist()
-    model = lm if d.world_size == 1 else grpo.wrap_model(lm, d.device)
+    model = lm if d.world_size == 1 else sft.wrap_model(lm, d.device)
     opt = GradCatcher(model.parameters())
     args = make_args(micro_batch=micro, grad_clip=0.0)
     out = grpo.update_policy(model, opt, samples, torch.tensor(adv), args, d)
@@ -106,14 +107,14 @@ def per_prompt_rollout(policy, tokenizer, prompts, sandbox, *, n, seed, **kw):
 
 
 def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in grpo.unwrap_model(model).parameters()])
+    return torch.cat([p.detach().flatten() for p in sft.unwrap_model(model).parameters()])
 
 
 def run_steps(lm, tok, args, probs, n_steps, reward_fn, sandbox, rollout_fn=ex.rollout, d=None, stream=None,
               opt_fn=None):
     d = d or grpo.Dist()
     policy = copy.deepcopy(lm).eval()
-    model = lm.train() if d.world_size == 1 else grpo.wrap_model(lm, d.device)
+    model = lm.train() if d.world_size == 1 else sft.wrap_model(lm, d.device)
     opt = (opt_fn or (lambda ps: torch.optim.AdamW(ps, lr=args.lr)))(model.parameters())
     stream = stream or grpo.PromptStream(probs, args.seed, d.rank, d.world_size)
     out = []
@@ -590,7 +591,7 @@ def test_two_rank_step_equals_one_rank_step(two_ranks, tokenizer, sandbox):
 
 def _worker(out_dir, tiny_dir):
     import torch.distributed as dist
-    rank, _, world, device = grpo.setup_distributed(0)
+    rank, _, world, device = sft.setup_distributed(0)
     assert world == 2
     d = grpo.Dist(rank, world, device)
     tok = tiny.make_tokenizer()
@@ -665,7 +666,7 @@ def _worker(out_dir, tiny_dir):
         # the same step with FSDP (fully_shard, sharded parameters): rollouts use a synced copy
         lm = tiny.make_model(tok)
         policy = copy.deepcopy(lm).eval()
-        model = grpo.wrap_model(lm, device, fsdp=True)
+        model = sft.wrap_model(lm, device, fsdp=True)
         opt = sgd(model.parameters())
         stream = grpo.PromptStream(problems(4), args.seed, rank, world)
         grpo.sync_policy(model, policy)
@@ -681,7 +682,7 @@ def _worker(out_dir, tiny_dir):
     if rank == 0:
         _write_problems(data, 2)
     dist.barrier()
-    grpo.cleanup_distributed = lambda: None  # several command-line runs share this process group
+    sft.cleanup_distributed = lambda: None  # several command-line runs share this process group
     grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, "d4"), "--steps", "1",
                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
                "--no-progress"], reward_fn=lambda s, p: 1.0 if rank == 0 else 0.0)
