@@ -344,6 +344,46 @@ def test_first_update_ratio_one_second_can_clip_L5(tokenizer, sandbox):
     assert sum(m["clip_frac_low"] + m["clip_frac_high"] for m, _ in out) > 0
 
 
+@pytest.mark.timeout(120)
+def test_dropout_is_off_in_training_ratio_exactly_one_L9(tokenizer, sandbox):
+    """A policy whose config asks for attention dropout 0.3, trained with lr 0 and two
+    updates per step: the trainer's logprobs are the sampler's (eval) logprobs and do not
+    change between the two updates, so the ratio is exactly 1 (approx_kl and clip
+    fractions exactly 0). With dropout left on, approx_kl was about 1e-4 and the gap 0.01."""
+    lm = tiny.make_model(tokenizer)
+    lm.config.attention_dropout = 0.3
+    for m in lm.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.3
+    model = sft.wrap_model(lm, "cpu")  # one process: the model itself, in train mode
+    assert model.training
+    args = make_args(prompts_per_step=4, group_size=4, updates_per_step=2, lr=0.0, micro_batch=2)
+    _, out = run_steps(model, tokenizer, args, problems(4), 1, first_token_reward, sandbox,
+                       opt_fn=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    m = out[0][0]
+    assert m["optimizer_steps"] == 2 and m["loss_tokens"] > 0
+    assert m["approx_kl"] == 0.0 and m["clip_frac_low"] == 0.0 and m["clip_frac_high"] == 0.0
+    assert m["sampler_logprob_gap"] < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_the_reward_is_one_function_called_for_every_sample_L10(tokenizer, sandbox, monkeypatch):
+    """Editing grpo.answer_reward (here: replacing it) changes the rewards the step trains
+    on and logs, for every sample; the logged correctness stays is_correct's."""
+    calls = []
+
+    def length_reward(sample, problem):
+        calls.append(problem["id"])
+        return float(sample.ids[len(sample.prompt_ids)] % 2)
+
+    monkeypatch.setattr(grpo, "answer_reward", length_reward)
+    args = make_args(prompts_per_step=2, group_size=4)
+    _, [(m, rec)] = run_steps(tiny.make_model(tokenizer), tokenizer, args, problems(2), 1, None, sandbox)
+    assert sorted(calls) == ["p0"] * 4 + ["p1"] * 4  # once per sample
+    assert sum(r["reward"] for r in rec) == m["reward_mean"] * 8 > 0
+    assert m["accuracy"] == 0.0 and all(r["correct"] == 0 for r in rec)  # nothing is boxed in 4 tokens
+
+
 @pytest.mark.timeout(300)
 def test_the_loop_learns(tokenizer, sandbox):
     """Real sampler, advantages, loss and AdamW on a tiny random policy: the mean reward of

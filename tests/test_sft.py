@@ -285,6 +285,23 @@ def test_logprobs_from_start_skip_the_prompt_exactly(model, start):
     assert_same(grads(m1), grads(m2), 1e-5)
 
 
+def test_training_forward_has_no_dropout_L9(tokenizer):
+    """A config with attention dropout 0.3: the wrapped model trains (train mode, gradients)
+    with the logprobs of eval mode, the same on every forward."""
+    m = tiny.make_model(tokenizer)
+    for mod in m.modules():
+        if hasattr(mod, "attention_dropout"):
+            mod.attention_dropout = 0.3
+    ids = torch.randint(3, 300, (2, 23), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = sft.token_logprobs(m.eval(), ids, mask)
+    w = sft.wrap_model(m, "cpu")
+    a, b = sft.token_logprobs(w, ids, mask), sft.token_logprobs(w, ids, mask)
+    assert w.training and a.requires_grad
+    assert torch.equal(a, b) and torch.equal(a.detach(), ref)
+
+
 def test_first_loss_column():
     m = torch.zeros(3, 8, dtype=torch.bool)
     assert sft.first_loss_column(m) == 0  # no loss token (a dummy batch): compute everything
