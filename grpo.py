@@ -448,6 +448,8 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
 # -----------------------------------------------------------------------------
 # Bookkeeping: metrics and pass rates
 
+ROLLOUT_SUMS = ("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens", "tool_calls",
+                "exec_errors", "finish_stop", "finish_length", "finish_tool_budget")  # the same order on every rank
 SHARES = {  # metric: (numerator, denominator), sums over the step's samples on every rank
     "reward_mean": ("reward", "samples"), "accuracy": ("correct", "samples"),
     "zero_var_share": ("zero_var_groups", "groups"), "model_tokens_per_sample": ("model_tokens", "samples"),
@@ -462,27 +464,23 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     rates (gathered on rank 0) from each sampling round's (problems, samples, rewards) and
     `update_policy`'s sums. Training metrics are None when no group had signal (not a
     misleading 0). Returns (metrics, records) as `grpo_step`."""
-    S = dict.fromkeys(("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens", "tool_calls",
-                       "exec_errors", "finish_stop", "finish_length", "finish_tool_budget"), 0.0)
-    records = []
+    S, records = dict.fromkeys(ROLLOUT_SUMS, 0.0), []
     for problems, samples, rewards in rounds:
-        correct = [is_correct(s, problems[i // G]) for i, s in enumerate(samples)]
-        for g, prob in enumerate(problems):
-            records.append({"step": step, "id": prob["id"], "n": G, "correct": int(sum(correct[g * G:(g + 1) * G])),
-                            "reward": float(rewards[g * G:(g + 1) * G].sum())})
+        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)], dtype=torch.long)
+        for prob, c, r in zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
+            records.append({"step": step, "id": prob["id"], "n": G, "correct": c, "reward": r})
         S["groups"] += len(problems)
         S["zero_var_groups"] += int(constant_groups(rewards, G).sum())
         S["reward"] += float(rewards.sum())
-        S["correct"] += sum(correct)
+        S["correct"] += int(correct.sum())
         for s in samples:
             S["samples"] += 1
             S["model_tokens"] += s.n_model_tokens
             S["tool_calls"] += len(s.blocks or [])
             S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
             S["finish_" + s.finish_reason] += 1  # a KeyError for an unknown reason: keys must match across ranks
-    keys = sorted(S) + list(TRAIN_SUMS)
-    tot = dict(zip(keys, sft.all_reduce(torch.tensor([S.get(k, upd.get(k)) for k in keys], dtype=torch.float64,
-                                                     device=d.device)).tolist()))
+    sums = torch.tensor([*S.values(), *(upd[k] for k in TRAIN_SUMS)], dtype=torch.float64, device=d.device)
+    tot = dict(zip([*S, *TRAIN_SUMS], sft.all_reduce(sums).tolist()))
     times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
     if d.world_size > 1:
         parts = [None] * d.world_size
@@ -580,10 +578,8 @@ def main(argv=None, reward_fn=None):
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     # derived sizes
     assert args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} % {world} ranks != 0"
-    per_rank = args.prompts_per_step // world
-    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} = {args.prompts_per_step * args.group_size} "
-               f"samples per step; {per_rank} prompts ({per_rank * args.group_size} samples) per rank x {world} "
-               f"ranks; {args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
+    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} per step over {world} ranks; "
+               f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
                ("on-policy: ratio exactly 1, clip fractions 0" if args.updates_per_step == 1 else
                 "clipping active after the first update"))
     if rank == 0:
@@ -593,9 +589,8 @@ def main(argv=None, reward_fn=None):
     problems = executor.read_problems(args.data)
     if args.drop_solved:
         solved = solved_ids(args.drop_solved)
-        n0 = len(problems)
+        sft.print0(f"--drop-solved: dropping {len(solved)} prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
-        sft.print0(f"--drop-solved: dropped {n0 - len(problems)} of {n0} prompts solved G/G in {args.drop_solved}")
     stream = PromptStream(problems, args.seed, rank, world)
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
@@ -616,8 +611,8 @@ def main(argv=None, reward_fn=None):
         step = st["step"]
         if not args.reset_optimizer:
             stream.load_state_dict(st["data"])
-        sft.print0(f"resumed from {args.resume} at step {step}" + (" (optimizer and data order fresh)"
-                                                                    if args.reset_optimizer else ""))
+        fresh = " (optimizer and data order fresh)" if args.reset_optimizer else ""
+        sft.print0(f"resumed from {args.resume} at step {step}{fresh}")
         if rank == 0:
             for name in ("metrics.jsonl", "pass_rates.jsonl"):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
