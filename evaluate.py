@@ -601,13 +601,8 @@ def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
     on the data, --batch-size, k and seed (never on the number of ranks): rank r runs
     waves w with w % world_size == r, all k samples of a problem in one call so that the
     prompt is prefilled once."""
-    waves = []
-    for bench, problems in benches.items():
-        for s in range(0, len(problems), batch_size):
-            chunk = problems[s:s + batch_size]
-            waves.append(dict(benchmark=bench, problems=chunk,
-                              seed=wave_seed(seed, bench, [q["id"] for q in chunk], k)))
-    return waves
+    chunks = [(b, qs[s:s + batch_size]) for b, qs in benches.items() for s in range(0, len(qs), batch_size)]
+    return [dict(benchmark=b, problems=c, seed=wave_seed(seed, b, [q["id"] for q in c], k)) for b, c in chunks]
 
 
 def wave_keys(wave: dict, k: int) -> list:
@@ -664,12 +659,10 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
     write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
     print(table, flush=True)
     for bench, m in metrics.items():
-        fr = m["finish_reasons"]
-        cut = fr.get("length", 0.0) + fr.get("tool_budget", 0.0)
-        if cut > 0.5:
-            print(f"WARNING: {bench}: {100 * cut:.0f}% of samples ended on a budget (length "
-                  f"{100 * fr.get('length', 0.0):.0f}%, tool_budget {100 * fr.get('tool_budget', 0.0):.0f}%): "
-                  "raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
+        length, tools = (m["finish_reasons"].get(x, 0.0) for x in ("length", "tool_budget"))
+        if length + tools > 0.5:
+            print(f"WARNING: {bench}: {length + tools:.0%} of samples ended on a budget (length {length:.0%}, "
+                  f"tool_budget {tools:.0%}): raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
     return metrics
 
 
@@ -708,8 +701,7 @@ def run(args) -> None:
                f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
                f"waves w % {world} == r); {len(done)} samples already in {args.out}")
         if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
+            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))  # creates --out
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
@@ -732,15 +724,10 @@ def run(args) -> None:
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty())
                     ids = [q["id"] for q in w["problems"]]
-                    rows = []
-                    for i, q in enumerate(w["problems"]):
-                        for j in range(args.k):
-                            if (w["benchmark"], q["id"], j) in done:
-                                continue
-                            row = ex.sample_record(q, samples[i * args.k + j])  # seed = the call's
-                            row.update(benchmark=w["benchmark"], sample_idx=j, rollout_ids=ids,
-                                       rollout_n=args.k)
-                            rows.append(row)
+                    # samples[n] is work item n of the wave (problem-major); its seed is the call's
+                    rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
+                             "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
+                            for n, key in enumerate(wave_keys(w, args.k)) if key not in done]
                     ex.append_jsonl(my_file, rows)
                     print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
                           f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s",
@@ -753,10 +740,9 @@ def run(args) -> None:
             dist.barrier(group=group)
         if rank == 0:
             rows = merged_samples(args.out)
-            order = {key: n for n, key in enumerate(key for w in waves for key in wave_keys(w, args.k))}
-            assert set(rows) == set(order), f"{len(set(order) - set(rows))} samples missing after the run"
-            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n"
-                           for key in sorted(rows, key=order.get))
+            keys = [key for w in waves for key in wave_keys(w, args.k)]
+            assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
+            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys)
             write_json_atomic(os.path.join(args.out, "samples.jsonl"), text)
             for name in os.listdir(args.out):
                 if RANK_FILE.fullmatch(name):
