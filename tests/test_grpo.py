@@ -1,5 +1,5 @@
 """GRPO: advantages, the token-level clipped loss, masking, the step, resume and ranks
-(cases L1-L8, D1-D4 of shared/cases.md), and a toy task the loop must learn.
+(tests/faults.md L1-L10, D1-D4), and a toy task the loop must learn.
 
 The 2-rank cases run this file as a `torchrun --nproc_per_node 2` worker (gloo, CPU) once
 per session, with a timeout so that a hang fails the test instead of the run.

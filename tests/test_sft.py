@@ -1,4 +1,4 @@
-"""Tests for sft.py: cases F1-F5 and G2 of shared/cases.md, chunked logprobs, resume,
+"""Tests for sft.py: tests/faults.md F1-F5 and G2, chunked logprobs, resume,
 2 ranks vs accumulation (torchrun, gloo), checkpoint loading, and a tiny model that
 memorises THINC trajectories and then replays one through the engine with real execution."""
 import copy
@@ -229,7 +229,7 @@ def test_template_variants(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# logprobs: padding (G2) and chunking
+# logprobs: padding (tests/faults.md G2) and chunking
 
 @pytest.mark.timeout(30)
 def test_g2_left_padding_same_logprobs(model):
