@@ -9,7 +9,15 @@ Objective (paper Sec. 3.3: GRPO, DAPO token-level normalisation and clip-higher,
 
 N counts the model-written tokens of the optimizer step over all ranks and micro-batches;
 prompt, interpreter-output and padding tokens are never in the loss. pi_old is the
-trainer's own forward before the step's first update (ratio exactly 1 with one update).
+trainer's own forward before the step's first update (ratio exactly 1 with one update;
+dropout is off in training, so the trainer's logprobs are the sampler's).
+
+The reward R_i is `answer_reward(sample, problem)`, called once for every sample: it is THE
+place to change for a reward ablation (or pass `reward_fn` to `main` / `grpo_step`). The
+logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
+
+Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
+one GRPO step; then bookkeeping (metrics), the prompt stream and the training loop.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
@@ -191,9 +199,7 @@ def is_correct(sample, problem) -> bool:
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards -> (N / G,) bool: groups whose rewards are all equal (no signal)."""
-    r = rewards.reshape(-1, group_size)  # (N/G, G)
-    if r.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool)
+    r = rewards.reshape(-1, group_size)  # (N/G, G); N = 0 gives (0,)
     return r.max(dim=1).values == r.min(dim=1).values
 
 
@@ -314,12 +320,11 @@ def dummy_batch(pad_id: int = 0) -> dict:
 
 def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
     """(B, T) logprobs of each token at the sampling temperature (chunked head, sft.py),
-    and (B, T) entropy or None; under bf16 autocast on CUDA."""
+    with (B, T) entropy if asked; under bf16 autocast on CUDA."""
     with torch.autocast(d.device.type, dtype=d.autocast_dtype or torch.float32, enabled=d.autocast_dtype is not None):
-        out = sft.token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
-                                 mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
-                                 return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
-    return out if with_entropy else (out, None)
+        return sft.token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
+                                  mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
+                                  return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
 
 
 TRAIN_SUMS = ("loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff")
@@ -357,7 +362,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     #    first forward, detached (the same computation), so its ratio is exactly 1; later
     #    mini-batches need a no-grad pass now, before the first optimizer step.
     with torch.no_grad():
-        olds = {(k, j): _logprobs(model, mb, args, d, False)[0]
+        olds = {(k, j): _logprobs(model, mb, args, d, False)
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
     acc = dict.fromkeys(TRAIN_SUMS, 0.0)
