@@ -348,11 +348,9 @@ def summarize(records, normalize=normalize_answer) -> dict:
     trajectory_stats keys. Raises ValueError on no records."""
     if not records:
         raise ValueError("summarize: no records")
-    by_bench = defaultdict(list)
-    for r in records:
-        by_bench[r["benchmark"]].append(r)
     out = {}
-    for bench, rs in sorted(by_bench.items()):
+    for bench in sorted({r["benchmark"] for r in records}):
+        rs = [r for r in records if r["benchmark"] == bench]
         sizes = [len(v) for v in _by_problem(rs).values()]
         k = min(sizes)
         ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
@@ -688,14 +686,13 @@ def run(args) -> None:
     import torch.distributed as dist
     from sft import cleanup_distributed, print0, setup_distributed
 
-    rank, local_rank, world, device = setup_distributed(args.seed)
+    # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
+    # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
+    # rollout time differences)
+    rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
-        # the end-of-run barrier waits for the slowest rank: a CPU (gloo) group with a long
-        # timeout, since NCCL's default (10 min) is far shorter than rollout time differences
-        group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
-                 if dist.is_initialized() else None)
-        mine = [w for i, w in enumerate(waves) if i % world == rank]
-        todo = [w for w in mine if any(key not in done for key in wave_keys(w, args.k))]
+        todo = [w for i, w in enumerate(waves) if i % world == rank
+                and any(key not in done for key in wave_keys(w, args.k))]
         n_items = sum(len(qs) for qs in benches.values()) * args.k
         print0(f"{len(benches)} benchmarks, {n_items // args.k} problems x k {args.k} = {n_items} samples "
                f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
@@ -736,8 +733,8 @@ def run(args) -> None:
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
         #    merged_samples accepts)
-        if group is not None:
-            dist.barrier(group=group)
+        if dist.is_initialized():
+            dist.barrier()
         if rank == 0:
             rows = merged_samples(args.out)
             keys = [key for w in waves for key in wave_keys(w, args.k)]
