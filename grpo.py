@@ -380,14 +380,15 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 loss, met = policy_loss(lp, olds[k, j] if k > 0 else lp.detach(), mb["advantages"].to(d.device),
                                         mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
                 loss.backward()
+            # sums stay on the device until the end (no host sync inside the loop)
             for name in TRAIN_SUMS[1:5]:
-                acc[name] += float(met[name]) * float(met["tokens"])
-            acc["loss_tokens"] += float(met["tokens"])
+                acc[name] += met[name].double() * met["tokens"]
+            acc["loss_tokens"] += met["tokens"].double()
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            acc["logprob_diff"] += float(torch.where(mask, gap, 0.0).sum())
+            acc["logprob_diff"] += torch.where(mask, gap, 0.0).sum().double()
         grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
         steps += 1
-    return {**acc, "grad_norm": grad_norm, "optimizer_steps": steps}
+    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm, "optimizer_steps": steps}
 
 
 def split_even(items, k: int) -> list:
