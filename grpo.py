@@ -327,7 +327,8 @@ def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
                                   return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
 
 
-TRAIN_SUMS = ("loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff")
+TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # policy_loss's per-token metrics
+TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "logprob_diff")
 
 
 def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0) -> dict:
@@ -381,7 +382,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                                         mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
                 loss.backward()
             # sums stay on the device until the end (no host sync inside the loop)
-            for name in TRAIN_SUMS[1:5]:
+            for name in TOKEN_MEANS:
                 acc[name] += met[name].double() * met["tokens"]
             acc["loss_tokens"] += met["tokens"].double()
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
@@ -495,7 +496,7 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     nt = tot["loss_tokens"]
     metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt)}
     metrics.update({name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()})
-    metrics.update({name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:5]})
+    metrics.update({name: tot[name] / nt if nt else None for name in TOKEN_MEANS})
     metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if nt else None  # |trainer - sampler| per token
     metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if nt else None
     metrics.update(optimizer_steps=upd["optimizer_steps"], sampling_rounds=len(rounds),
