@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 import executor
 import sft
-from executor import ROLE_MODEL, ROLE_PROMPT, Sample, Sandbox, build_prompt_ids, load_model, rollout
 
 # -----------------------------------------------------------------------------
 # Config
@@ -146,12 +145,12 @@ def mix_seed(*xs) -> int:
     return h
 
 
-def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=rollout):
+def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
     """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
     --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
     stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
     stats = {}
-    prompts = [build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    prompts = [executor.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     wave = args.rollout_prompts or max(1, len(prompts))
     G = args.group_size
@@ -289,7 +288,7 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
     (position t holds token t and the logprob of predicting it).
 
     Args:
-        samples: executor `Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
+        samples: `executor.Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
         advantages: (B,) one per sample.
     Returns dict of (B, T) input_ids, attention_mask (from lengths, never from pad ids),
         position_ids, roles; loss_mask (B, T) bool = roles == ROLE_MODEL; sampler_logprobs
@@ -301,7 +300,7 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
     mb["sampler_logprobs"] = torch.full((B, T), float("nan"))  # (B, T)
     for b, s in enumerate(samples):
         mb["sampler_logprobs"][b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
-    mb["loss_mask"] = mb["roles"] == ROLE_MODEL  # (B, T)
+    mb["loss_mask"] = mb["roles"] == executor.ROLE_MODEL  # (B, T)
     mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(B)  # (B,)
     return mb
 
@@ -310,8 +309,9 @@ def dummy_batch(pad_id: int = 0) -> dict:
     """One 2-token sequence with no loss token. A rank with fewer micro-batches than another
     runs these so that every rank does the same forwards and backwards: DDP's gradient
     all-reduce and FSDP's gathers are collectives inside them (tests/faults.md D3)."""
-    return make_batch([Sample(prompt_ids=[pad_id] * 2, ids=[pad_id] * 2, roles=[ROLE_PROMPT] * 2,
-                              logprobs=[float("nan")] * 2)], torch.zeros(1), pad_id)
+    prompt = executor.Sample(prompt_ids=[pad_id] * 2, ids=[pad_id] * 2, roles=[executor.ROLE_PROMPT] * 2,
+                             logprobs=[float("nan")] * 2)
+    return make_batch([prompt], torch.zeros(1), pad_id)
 
 
 # -----------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def split_even(items, k: int) -> list:
 
 
 def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
-              reward_fn=None, rollout_fn=rollout):
+              reward_fn=None, rollout_fn=executor.rollout):
     """One GRPO step, called on every rank: rollouts, rewards, group advantages, the update.
 
     Args:
@@ -601,7 +601,7 @@ def main(argv=None, reward_fn=None):
     stream = PromptStream(problems, args.seed, rank, world)
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
-    lm, tokenizer = load_model(args.resume or args.model, dtype="float32", device="cpu")
+    lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
     roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
@@ -625,14 +625,14 @@ def main(argv=None, reward_fn=None):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     def save(name):
-        state = sft.trainer_state(step, optimizer, data=stream.state_dict())
-        sft.save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+        state = {"step": step, "data": stream.state_dict()}
+        sft.save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, optimizer)
 
     # 3) the loop
     from tqdm import tqdm
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0 or args.no_progress, desc="grpo", unit="step")
-    with Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+    with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             if not share:

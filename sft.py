@@ -532,14 +532,16 @@ def full_state_dict(model, cpu_offload: bool = True) -> dict:
     return sd
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None):
+def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None,
+                    optimizer=None):
     """Write a Hugging Face model directory atomically (temp dir, then rename).
 
     out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
-    this rank's `trainer_state` (see `trainer_state`) as trainer_state_rank{r}.pt. Call on
-    every rank (FSDP gathers the full state dict; the ranks synchronise); rank 0 writes the
-    model. A model loaded from GGUF (dense weights, GGUF quantizer marker still attached)
-    saves as plain safetensors.
+    this rank's `trainer_state` (the stage's entries: step, data position) as
+    trainer_state_rank{r}.pt, to which `optimizer` adds its state, the RNG states and the
+    world size (all that `load_trainer_state` restores). Call on every rank (FSDP gathers
+    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded
+    from GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
     if rank == 0:
@@ -548,6 +550,8 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     _barrier()
     sd = full_state_dict(model)
     if trainer_state is not None:
+        if optimizer is not None:
+            trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
         if rank != 0 and not _is_sharded(model) and "optimizer" in trainer_state:
             # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
             # of memory and disk three times over saved per extra rank); RNG stays per rank
@@ -601,15 +605,14 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
     return None
 
 
-def trainer_state(step: int, optimizer, **extra) -> dict:
-    """This rank's part of a checkpoint: the step, the optimizer (`optimizer_state`), the
-    python / numpy / torch / CUDA RNG states, the world size and `extra` (the stage's data
-    position). `save_checkpoint` writes it, `load_trainer_state` restores it."""
+def _optimizer_and_rng_state(optimizer) -> dict:
+    """What `load_trainer_state` restores besides the stage's own entries: the optimizer
+    (`optimizer_state`), this process's python / numpy / torch / CUDA RNG states, the world size."""
     import numpy as np
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {"step": step, **optimizer_state(optimizer), "rng": rng, "world_size": world, **extra}
+    return {**optimizer_state(optimizer), "rng": rng, "world_size": world}
 
 
 def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -> dict:
@@ -654,7 +657,7 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = F
 
     Returns:
         a torch.optim.AdamW, or a ZeroRedundancyOptimizer wrapping one (its `param_groups`
-        are the ones to schedule; save and restore with `trainer_state` /
+        are the ones to schedule; save and restore with `save_checkpoint` /
         `load_trainer_state`, not `state_dict`).
     """
     params = list(params)
@@ -796,8 +799,8 @@ def main(argv=None):
             executor.trim_jsonl_steps(os.path.join(args.out, "log.jsonl"), step)
 
     def save(name):
-        state = trainer_state(step, opt, scheduler=sched.state_dict(), data=data_id)
-        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+        state = {"step": step, "scheduler": sched.state_dict(), "data": data_id}
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, opt)
 
     # 3) the loop: one optimizer step per global batch
     from tqdm import tqdm
