@@ -276,8 +276,6 @@ def main(argv=None):
     if mine:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
-    filt = dict(min_blocks=args.min_blocks, max_plan_share=args.max_plan_share,
-                require_stop=not args.allow_unfinished)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):
@@ -293,7 +291,8 @@ def main(argv=None):
                     for i, (_, p) in enumerate(batch) for j in range(k) if (p["id"], j) not in done]
             for row in rows:
                 row["plan_share"] = plan_share(row)
-            reasons = [filter_reasons(row, **filt) for row in rows]
+            reasons = [filter_reasons(row, args.min_blocks, args.max_plan_share, not args.allow_unfinished)
+                       for row in rows]
             kept = [row for row, why in zip(rows, reasons) if not why]
             rejected = [{**row, "reasons": why} for row, why in zip(rows, reasons) if why]
             # 5) whole-line appends: safe across ranks (O_APPEND) and against kills
@@ -307,9 +306,8 @@ def main(argv=None):
     barrier()
     if rank == 0:
         summary = summarize(ex.read_jsonl_tolerant(out), ex.read_jsonl_tolerant(rejected_path))
-        summary["args"] = vars(args)
-        ex.write_json_atomic(summary_path, summary)
-        print(json.dumps({k_: v for k_, v in summary.items() if k_ != "args"}, indent=2))
+        ex.write_json_atomic(summary_path, {**summary, "args": vars(args)})
+        print(json.dumps(summary, indent=2))
     cleanup_distributed()
 
 
