@@ -596,7 +596,8 @@ def main(argv=None, reward_fn=None):
     problems = executor.read_problems(args.data)
     if args.drop_solved:
         solved = solved_ids(args.drop_solved)
-        sft.print0(f"--drop-solved: dropping {len(solved)} prompts solved G/G in {args.drop_solved}")
+        sft.print0(f"--drop-solved: dropping {sum(p['id'] in solved for p in problems)} of {len(problems)} "
+                   f"prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
     stream = PromptStream(problems, args.seed, rank, world)
 

@@ -637,7 +637,8 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
         load_optimizer_state(optimizer, state, ckpt_dir)
         rng = state["rng"]
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        if "numpy" in rng:  # grpo.py's checkpoints before this version kept python and torch only
+            np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
