@@ -30,8 +30,8 @@ import inspect
 import json
 import math
 import os
-import queue
 import re
+import resource
 import select
 import shutil
 import signal
@@ -41,15 +41,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
 # -----------------------------------------------------------------------------
-# Sandbox: a fork server of pre-imported workers
+# Sandbox: a fork server of pre-imported workers, one set of Linux namespaces per block
 
-MAX_BLOCK_PROCS = 64  # processes one block may hold at once (see _read_block)
+MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
+_SANDBOX_FILE = "<thinc-sandbox>"  # the template's code runs under this file name
 
 
 class SandboxError(RuntimeError):
@@ -62,8 +62,8 @@ class ExecResult:
     """What one code block produced.
 
     output: stdout and stderr interleaved in write order, capped to head + tail with a
-        marker of how much was cut; ends with a status line for a timeout / kill / exit code.
-    status: 'ok' | 'error' (an exception or a non-zero exit) | 'timeout' | 'memory'
+        marker of how much was cut; ends with a status line for a timeout / kill / exit call.
+    status: 'ok' | 'error' (an exception or a non-zero exit code) | 'timeout' | 'memory'
         (MemoryError or the address-space limit) | 'killed' (a signal, e.g. a segfault).
     seconds: wall time of the block.
     """
@@ -76,221 +76,274 @@ class ExecResult:
         return self.status == "ok"
 
 
-_SANDBOX_FILE = "<thinc-sandbox>"  # the template's code runs under this file name
-
-
-def _template_main(slot_fds, preimports):  # runs in the template process, stdlib only
-    """The fork server. It imports numpy, scipy and sympy once, then for each request on a
-    slot socket forks a child that runs one block. Requests carry the code, the limits, a
-    fresh working directory and (as SCM_RIGHTS) the write ends of the output and status
-    pipes. The template reaps every child (it is a child subreaper, so orphans of a block
-    come back to it) and reports each block's exit status on the slot it came from."""
+def _template_main(ctrl_fd: int, preimports: list, contain: bool):  # the template process, stdlib only
+    """The fork server: imports numpy, scipy and sympy once, then forks one child per
+    request on the control socket. A request carries three fds: a memfd holding the JSON
+    request, the block's socket (the template writes the child's pid and wait status there,
+    the child writes when its code starts and how it ended) and the output pipe's write end.
+    With `contain`, the template first makes its mount namespace read-only and nodev, and
+    each child is pid 1 of a new PID namespace (so all it starts dies with it) with a
+    private mount namespace holding its own tmpfs /tmp, /dev/shm and /proc, and no
+    capabilities left (it cannot remount anything writable)."""
+    import atexit
     import ctypes
+    import hashlib
     import importlib
+    import io
     import json
+    import linecache
     import os
+    import random
     import resource
     import select
     import signal
     import socket
+    import sys
+    import threading
+    import traceback
+    import types
 
-    os.chdir("/")
+    libc = ctypes.CDLL(None, use_errno=True)
+    NEWNS, NEWPID, RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+    KEEP = {"nosuid": NOSUID, "noexec": NOEXEC, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+
+    def check(ret):
+        if ret != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+    def mount(src, target, fstype, flags, data=None):
+        check(libc.mount(src, target, fstype, ctypes.c_ulong(flags), data))
+
     for name in preimports:
         try:
             importlib.import_module(name)
         except Exception:  # a missing package surfaces as an ImportError inside the block
             pass
-    try:  # PR_SET_CHILD_SUBREAPER: orphaned grandchildren are reparented here and reaped
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
-    except Exception:
-        pass
-    slots = [socket.socket(fileno=fd) for fd in slot_fds]
+    devices = [f"/dev/{d}".encode() for d in ("null", "zero", "full", "random", "urandom")]
+    why = ""
+    if contain:
+        try:
+            check(libc.unshare(NEWNS))
+            mount(None, b"/", None, 16384 | (1 << 18))  # MS_REC | MS_PRIVATE: nothing reaches the caller
+            for dev in devices:  # a mount of their own: still usable once every other mount is nodev
+                mount(dev, dev, None, BIND)
+            with open("/proc/self/mountinfo") as f:
+                mounts = [line.split() for line in f]
+            for m in mounts:  # nodev too: root could write a raw disk through its device file
+                flags = sum(v for k, v in KEEP.items() if k in m[5].split(","))
+                target = m[4].encode().decode("unicode_escape").encode()
+                mount(None, target, None, REMOUNT | BIND | RDONLY | flags | (0 if target in devices else NODEV))
+            pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        except OSError as e:
+            contain, why = False, f"cannot make the mount namespace read-only: {e}"
+    ctrl = socket.socket(fileno=ctrl_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)
-    running = {}  # pid -> slot socket
-    slots[0].sendall(b'{"ready": true}\n')
+    running = {}  # pid -> that block's socket
+    ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
 
-    def child(req, out_w, status_w):
-        os.setsid()  # own session and process group: killed as a group
-        for s in slots:
+    def send(s, msg):
+        try:
+            s.send(json.dumps(msg).encode())
+        except OSError:  # the caller gave up on this block
+            pass
+
+    class NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
+        def read(self, *a):
+            raise EOFError("no input is available: the block runs without stdin")
+        readline = read
+
+    def show(e):  # Python's traceback of e without the sandbox's own frames
+        te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
+        todo = [te]
+        while todo:
+            t = todo.pop()
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != _SANDBOX_FILE])
+                todo += [t.__cause__, t.__context__]
+        sys.stderr.write("".join(te.format()))
+
+    def execute(blocks, k, main, stateful):
+        """Run blocks[k] in `main`; stateful: its random draws depend on blocks[:k + 1] only."""
+        seed = int(hashlib.sha256("\0".join(blocks[:k + 1]).encode()).hexdigest()[:15], 16) if stateful else None
+        random.seed(seed)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(None if seed is None else seed % 2 ** 32)
+        if "sympy" in sys.modules:
+            sys.modules["sympy"].core.random.seed(seed)
+        name = "<code>" if k == len(blocks) - 1 else f"<block {k + 1}>"
+        linecache.cache[name] = (len(blocks[k]), None, blocks[k].splitlines(True), name)
+        exec(compile(blocks[k], name, "exec"), main.__dict__)
+
+    def replay(blocks, main, devnull):
+        """Stateful mode: run the earlier blocks again, output to /dev/null; an error or
+        exit ends that block only, as in a persistent interpreter."""
+        saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
+        for k in range(len(blocks) - 1):
+            try:
+                execute(blocks, k, main, True)
+            except (Exception, SystemExit):
+                pass
+        os._exit = real_exit
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+
+    def block(req_fd, sock_fd, out_w, hold_w):  # in the child; ends in os._exit
+        os.setsid()  # its own process group
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
+        req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
+        for fd in (req_fd, wake_r, wake_w, *[w for _, w in running.values()], hold_w):
+            if fd is not None:
+                os.close(fd)
+        for s in [ctrl, *[s for s, _ in running.values()]]:
             s.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        os.chdir(req["cwd"])
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(out_w, 2)
-        for fd in (devnull, out_w):
-            os.close(fd)
-        mem = req["memory_mb"] * 1024 * 1024
-        for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, req["cpu_s"]),
-                         (resource.RLIMIT_FSIZE, req["fsize_mb"] * 1024 * 1024),
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock = socket.socket(fileno=sock_fd)
+        sock.set_inheritable(False)
+        cwd = req["cwd"]
+        if contain:
+            os.close(pid_ns)
+            check(libc.unshare(NEWNS))
+            for target in (b"/tmp", b"/dev/shm"):  # gone with the namespace, whatever happens
+                mount(b"tmpfs", target, b"tmpfs", NOSUID | NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
+            mount(b"proc", b"/proc", b"proc", NOSUID | NODEV | NOEXEC)  # this namespace's processes
+            mount(None, b"/proc", None, REMOUNT | BIND | RDONLY | NOSUID | NODEV | NOEXEC)
+            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+            for cap in range(64):  # PR_CAPBSET_DROP: programs it runs get no capability either
+                libc.prctl(24, cap, 0, 0, 0)
+            check(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()))
+        os.chdir(cwd)
+        for lim, val in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
+                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
             try:
                 resource.setrlimit(lim, (val, val))
             except (ValueError, OSError):
                 pass
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the timeout notice
-        os.environ["HOME"] = os.environ["MPLCONFIGDIR"] = req["cwd"]
-        os.set_inheritable(status_w, False)
-        _run_block(req["code"], status_w)
-
-    def _kill_strays():
-        # Orphans of blocks are reparented here (subreaper). One whose process group is not
-        # a running block's left its block's session (setsid, start_new_session=True) and
-        # so escaped the caller's killpg: kill its group now that a block has ended.
-        me = os.getpid()
-        try:
-            with open(f"/proc/{me}/task/{me}/children") as f:
-                kids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
-        groups = set()
-        for kid in kids:
-            try:
-                groups.add(os.getpgid(kid))
-            except OSError:
-                pass
-        for pgid in groups - set(running) - {me}:  # once per group: a bomb leaves thousands
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
-
-    def _run_block(code, status_w):
-        import io
-        import linecache
-        import sys
-        import traceback
-        # One buffered text stream for both stdout and stderr keeps their interleaving
-        # exact; it is flushed on every way out, os._exit included.
-        stream = io.TextIOWrapper(os.fdopen(1, "wb", buffering=1 << 16), encoding="utf-8",
-                                  errors="replace", line_buffering=False)
-        sys.stdout = sys.stderr = sys.__stdout__ = sys.__stderr__ = stream
-
-        class NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
-            def read(self, *a):
-                raise EOFError("no input is available: the block runs without stdin")
-            readline = read
-
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd, src in ((0, devnull), (1, out_w), (2, out_w)):
+            os.dup2(src, fd)
+        os.close(out_w)
+        os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
+        sys.argv = ["<code>"]
+        sys.path.insert(0, cwd)
         sys.stdin = sys.__stdin__ = NoStdin()
-        real_exit, block_pid = os._exit, os.getpid()
-
-        def finish(kind, detail=""):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-            if os.getpid() == block_pid:  # processes the block forked say nothing
-                os.write(status_w, json.dumps({"kind": kind, "detail": detail}).encode())
-            real_exit(0)
-
-        os._exit = lambda n=0: finish("os_exit", str(n))
-        fname = "<code>"
-        linecache.cache[fname] = (len(code), None, code.splitlines(True), fname)
+        sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", write_through=True) for fd in (1, 2)]
+        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # as `python -u`
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        blocks = req["prior"] + [req["code"]]
+        code, error = 0, None
         try:
-            compiled = compile(code, fname, "exec")
-            exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
+            replay(blocks, main, devnull)
+            sock.send(b'{"started": true}')
+            execute(blocks, len(blocks) - 1, main, req["stateful"])
         except SystemExit as e:
-            code_ = e.code
-            finish("exit", "" if code_ is None else str(code_))
-        except BaseException as e:  # the block's own error: show its traceback, our frames cut
-            tb = e.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != fname:
-                tb = tb.tb_next
-            te = traceback.TracebackException(type(e), e, tb if not isinstance(e, SyntaxError) else None)
-            seen, todo = set(), [te]
-            while todo:  # drop the sandbox's own frames (e.g. NoStdin.read) from every link
-                t = todo.pop()
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                t.stack = traceback.StackSummary.from_list(
-                    [f for f in t.stack if f.filename != _SANDBOX_FILE])
-                todo += [t.__cause__, t.__context__]
-            try:
-                stream.write("".join(te.format()))
-            except Exception:  # the block closed its own stdout: the status line still tells
-                pass
-            kind = {"KeyboardInterrupt": "timeout", "MemoryError": "memory"}.get(type(e).__name__, "error")
-            finish(kind, type(e).__name__)
-        finish("ok")
+            code = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256
+            error = "SystemExit"
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException as e:  # a timeout while replaying is shown nowhere: stderr is /dev/null then
+            code, error = 1, type(e).__name__
+            show(e)
+        try:
+            threading._shutdown()  # wait for non-daemon threads
+            atexit._run_exitfuncs()
+        except BaseException:  # the timeout's KeyboardInterrupt while waiting
+            pass
+        sock.send(json.dumps({"code": code, "error": error}).encode())
+        os._exit(code)
 
     while True:
-        try:
-            ready, _, _ = select.select(slots + [wake_r], [], [])
-        except InterruptedError:
-            ready = []
-        for s in ready:
-            if s == wake_r:
-                os.read(wake_r, 4096)
-                continue
-            msg, fds, _, _ = socket.recv_fds(s, 1 << 20, 2)
+        ready, _, _ = select.select([ctrl, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if ctrl in ready:
+            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3)
             if not msg:  # the caller closed its end: shut down
                 return
-            req = json.loads(msg)
+            for fd in fds:
+                os.set_inheritable(fd, False)
+            hold_w = None
+            if contain:
+                # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
+                # template holds: when the block has been reaped (or the template dies) the
+                # pipe closes, cat exits and the kernel kills whatever is left in it. (The
+                # block itself is not pid 1: there, signals without a handler are ignored.)
+                check(libc.unshare(NEWPID))
+                hold_r, hold_w = os.pipe()
+                os.posix_spawn("/bin/cat", ["cat"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
+                os.close(hold_r)
             pid = os.fork()
             if pid == 0:
-                real_exit = os._exit  # the block replaces os._exit with its reporting version
                 try:
-                    child(req, fds[0], fds[1])
+                    block(*fds, hold_w)
+                except BaseException as e:  # the sandbox's own failure, not the block's
+                    socket.socket(fileno=fds[1]).send(json.dumps({"failed": repr(e)}).encode())
                 finally:
-                    real_exit(70)
-            for fd in fds:
-                os.close(fd)
-            running[pid] = s
-            s.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        while True:  # reap every exited child, block processes and orphans alike
+                    os._exit(70)
+            if contain:
+                check(libc.setns(pid_ns, NEWPID))
+            os.close(fds[0])
+            os.close(fds[2])
+            running[pid] = socket.socket(fileno=fds[1]), hold_w
+            send(running[pid][0], {"pid": pid})
+        while True:  # reap every exited child; report how each block ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            s = running.pop(pid, None)
-            if s is not None:
-                _kill_strays()
-                s.sendall(json.dumps({"exit": status, "pid": pid}).encode() + b"\n")
+            if pid in running:
+                sock, hold_w = running.pop(pid)
+                send(sock, {"exit": status})
+                sock.close()
+                if hold_w is not None:
+                    os.close(hold_w)
 
 
-def _count_user_processes() -> int:
-    uid = os.getuid()
-    n = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                n += os.stat(f"/proc/{d}").st_uid == uid
-            except OSError:
-                pass
-    return n
+class _TemplateDied(Exception):
+    pass
 
 
 class Sandbox:
-    """A pool of sandboxed Python workers: each code block runs alone in a fresh process.
+    """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
-    Every block is a complete program: nothing (variables, imports, files) carries over
-    from one block to the next. It runs in a process forked from a template that has
-    already imported numpy, scipy and sympy (milliseconds per block instead of the ~1 s a
-    fresh interpreter needs for sympy), in its own session / process group, with:
-    a wall-clock timeout (first a KeyboardInterrupt so the block's traceback shows where it
-    was, then SIGKILL to the whole group); rlimits on address space, CPU seconds, process
-    count (fork bombs fail fast) and file size; a fresh empty working directory removed
-    afterwards; stdin from /dev/null; a scrubbed environment (MPLBACKEND=Agg, no DISPLAY,
-    none of the caller's variables). Output (stdout + stderr in write order) is read with
-    bounded memory and returned as head + tail.
+    Each block runs as `python -u block.py` would in a new process: as `__main__` (so
+    pickling, multiprocessing with fork and `if __name__ == "__main__":` work), with fresh
+    `random` / `numpy.random` / sympy streams, unbuffered output (what was printed before a
+    timeout, kill or crash is returned; child processes interleave in write order), Python's
+    exit codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads
+    and atexit functions finish, within the time limit). It is forked from a template that
+    has imported numpy, scipy and sympy (milliseconds per block, against ~0.5-1 s of CPU
+    for a fresh interpreter: tests/benchmarks/bench_sandbox.py; at ~6 blocks a trajectory,
+    fresh interpreters would spend more CPU than decoding on the same cores). The fork
+    shares only the imported modules' state; the random streams are reseeded.
+
+    Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
+    shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
+    seconds, file size and processes; output read with bounded memory, head + tail kept;
+    no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg, no caller's
+    variables). As root (`contained`), a block is pid 1 of its own PID namespace (all it
+    starts dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork
+    bomb), sees the filesystem read-only and nodev except a private tmpfs /tmp (its working
+    directory and TMPDIR) and /dev/shm, and has no capabilities. Otherwise it runs as the
+    caller in its own process group and temporary directory (see the module docstring).
 
     Args:
-        workers: blocks run at once (default: CPU count).
-        timeout: wall-clock seconds per block.
-        memory_mb: address-space limit per block, MiB.
-        max_output_chars: output cap, characters (head and tail halves kept).
-        max_file_mb: largest file a block may write, MiB.
+        workers: blocks run at once (default: the CPUs this process may use).
+        timeout: wall-clock seconds per block (> 0).
+        memory_mb: address-space limit per block, MiB; 0 = none.
+        max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
+        max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
     Raises:
         SandboxError: the template cannot start, or died and cannot be restarted.
@@ -303,82 +356,68 @@ class Sandbox:
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
-        self.workers = workers or os.cpu_count() or 1
+        if not (timeout > 0 and memory_mb >= 0 and max_output_chars >= 0 and max_file_mb > 0):
+            raise ValueError("Sandbox: timeout and max_file_mb must be > 0, memory_mb and max_output_chars >= 0")
+        self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
+        self._slots = threading.Semaphore(self.workers)
         self._lock = threading.Lock()
-        self._proc = None
-        self._closed = False
-        self._running = set()  # pids (= process groups) of the blocks running now
-        self._generation = 0
+        self._proc, self._closed, self._running, self._generation = None, False, set(), 0
+        # The kernel applies RLIMIT_NPROC to all of a user's processes and never to root.
+        self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
 
-    # -- template lifecycle -------------------------------------------------------
     def _start(self):
-        ours, theirs = zip(*(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                             for _ in range(self.workers)))
-        src = inspect.getsource(_template_main)
-        fds = [s.fileno() for s in theirs]
-        boot = (f"_SANDBOX_FILE = {_SANDBOX_FILE!r}\nexec(compile({src!r}, _SANDBOX_FILE, 'exec'))\n"
-                f"_template_main({fds!r}, {list(self.PREIMPORTS)!r})")
-        cmd = [self.python, "-I", "-c", boot]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        boot = (f"_SANDBOX_FILE = {_SANDBOX_FILE!r}\n"
+                f"exec(compile({inspect.getsource(_template_main)!r}, _SANDBOX_FILE, 'exec'))\n"
+                f"_template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
         try:
-            proc = subprocess.Popen(cmd, pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            self._proc = subprocess.Popen([self.python, "-I", "-c", boot], pass_fds=[theirs.fileno()], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
-            for s in ours + theirs:
-                s.close()
+            ours.close()
             raise SandboxError(f"sandbox cannot start {self.python!r}: {e}") from e
-        for s in theirs:
-            s.close()
-        ready, _, _ = select.select([ours[0]], [], [], 60)
-        hello = ours[0].recv(4096) if ready else b""
-        if b"ready" not in hello:
-            proc.kill()
-            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.wait() is not None else ""
-            for s in ours:
-                s.close()
-            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err.strip()}")
-        proc.stderr.close()
-        # RLIMIT_NPROC counts every process of the user, so the limit is what is running
-        # now plus headroom for the blocks. The kernel never applies it to root in the
-        # initial user namespace: there _read_block counts the block's group instead.
-        self._nproc = _count_user_processes() + 64 * self.workers
-        self._proc = proc
-        self._slots = queue.Queue()
-        for s in ours:
-            self._slots.put(s)
+        finally:
+            theirs.close()
+        hello = ours.recv(4096) if select.select([ours], [], [], 60)[0] else b""
+        if not hello:
+            self._proc.kill()
+            self._proc.wait()
+            ours.close()
+            err = self._proc.stderr.read().decode(errors="replace")[-2000:].strip()
+            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
+        self._proc.stderr.close()
+        hello = json.loads(hello)
+        if hello["why"]:
+            print(f"executor.py: warning: blocks are not contained ({hello['why']})", file=sys.stderr)
+        self.contained, self._ctrl = hello["contained"], ours
         self._generation += 1
 
     def _restart(self, generation):
         with self._lock:
             if self._closed:
                 raise SandboxError("sandbox was closed while a block ran")
-            if generation != self._generation:  # another thread already restarted it
-                return
-            self._stop()
-            self._start()
+            if generation == self._generation:  # (else another thread restarted it already)
+                self._stop()
+                self._start()
 
     def _stop(self):
-        if self._proc is None:
-            return
-        while not self._slots.empty():
-            self._slots.get_nowait().close()
-        for pid in list(self._running):  # blocks are in their own sessions: kill them too
-            _signal_group(pid, signal.SIGKILL)
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
-        self._proc = None
+        if self._proc is not None:
+            self._ctrl.close()
+            for pid in list(self._running):
+                _signal(pid, signal.SIGKILL)
+            _signal(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+            self._proc = None
 
     def close(self):
-        """Stop the template and every worker. Idempotent."""
+        """Stop the template and every block. Idempotent."""
         with self._lock:
             self._closed = True
             self._stop()
@@ -390,317 +429,202 @@ class Sandbox:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
-    # -- running blocks -----------------------------------------------------------
-    def run(self, code: str) -> ExecResult:
-        """Run one block (a complete program) and return what the model should see.
-        Thread-safe. A block longer than MAX_CODE_BYTES is not run and gets an error result.
+    def run(self, code: str, history: list | None = None) -> ExecResult:
+        """Run one block and return what the model should see. Thread-safe. A block longer
+        than MAX_CODE_BYTES is not run and gets an error result.
+
+        history: stateful mode (`--stateful`, an ablation; the paper does not say which
+        policy it used): the earlier blocks of the same trajectory as dicts with 'code' and
+        'status' (`Sample.blocks`); the block then sees the variables, functions and imports
+        they defined. Mechanism: replay. The earlier blocks that ended through Python
+        (status 'ok' or 'error') run again first in the same fresh process, their output
+        discarded; a block that raised keeps what it did before the error, one that timed
+        out, hit the memory limit or was killed is not part of the state. Each block seeds
+        `random`, `numpy.random` and sympy from a hash of the trajectory's code up to it, so
+        a replay draws what the model saw (os.urandom, time and the like are drawn anew).
+        Files are rewritten by the replay in the fresh directory; processes and threads the
+        earlier blocks left running are started again. Cost: block k re-runs blocks 1..k-1
+        (quadratic time); the replay gets `timeout` seconds for each replayed block, then
+        the block itself its own `timeout`. Nothing is kept between calls, so state never
+        leaks between trajectories, rows of a group, problems or ranks.
         Raises SandboxError if the sandbox itself fails twice in a row."""
         size = len(code.encode("utf-8", "replace"))
-        if size > MAX_CODE_BYTES:  # the request travels as one socket message
+        if size > MAX_CODE_BYTES:
             return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
                               f"{MAX_CODE_BYTES} bytes. Write shorter code.", status="error")
+        prior = [b["code"] for b in history or () if b["status"] in ("ok", "error")
+                 and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
-            generation = self._generation
-            if self._closed or self._proc is None:
+            if self._closed:
                 raise SandboxError("sandbox is closed")
-            slot = self._slots.get()
+            generation = self._generation
             try:
-                return self._run_on_slot(slot, code)
-            except (OSError, _TemplateDied) as e:
-                if attempt == 1:
+                with self._slots:
+                    return self._run(code, prior, stateful=history is not None)
+            except _TemplateDied as e:
+                if attempt == 1 or self._closed:
                     raise SandboxError(f"sandbox template died: {e}") from e
                 self._restart(generation)
-            finally:
-                if generation == self._generation:
-                    self._slots.put(slot)
-                else:  # the template was restarted under us: this slot is dead
-                    slot.close()
 
     def run_many(self, codes: list[str]) -> list[ExecResult]:
         """Run blocks in parallel (up to `workers` at once); results in input order."""
-        if not codes:
-            return []
-        results = [None] * len(codes)
-        errors = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(codes)))) as pool:
+            return list(pool.map(self.run, codes))
 
-        def work(i):
-            try:
-                results[i] = self.run(codes[i])
-            except SandboxError as e:
-                errors.append(e)
-
-        threads = []
-        todo = queue.Queue()
-        for i in range(len(codes)):
-            todo.put(i)
-
-        def drain():
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                work(i)
-
-        for _ in range(min(self.workers, len(codes))):
-            threads.append(threading.Thread(target=drain, daemon=True))
-            threads[-1].start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def _run_on_slot(self, slot, code) -> ExecResult:
+    def _run(self, code, prior, stateful) -> ExecResult:
         t0 = time.monotonic()
-        cwd = tempfile.mkdtemp(prefix="thinc_block_")
+        cwd = "/tmp" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
-        st_r, st_w = os.pipe()
+        req = os.memfd_create("thinc_block")
         try:
-            req = {"code": code, "cwd": cwd, "memory_mb": self.memory_mb,
-                   "cpu_s": int(self.timeout) + 2, "fsize_mb": self.max_file_mb, "nproc": self._nproc}
-            socket.send_fds(slot, [json.dumps(req).encode()], [out_w, st_w])
-            os.close(out_w)
-            os.close(st_w)
-            out_w = st_w = None
-            pid = _recv_pid(slot, 10)
-            self._running.add(pid)
+            os.write(req, json.dumps({
+                "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
+                "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
+                "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
             try:
-                capture, status_msg, exit_status, timed_out, too_many = _read_block(
-                    out_r, st_r, slot, pid, self.timeout, self.max_output_chars)
-            except _TemplateDied:  # the block is in its own session: it would outlive the template
-                _signal_group(pid, signal.SIGKILL)
-                raise
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+            except OSError as e:
+                raise _TemplateDied(str(e)) from e
             finally:
-                self._running.discard(pid)
+                theirs.close()
+                os.close(out_w)
+                os.close(req)
+            info, output, stop = self._watch(ours, out_r, len(prior))
         finally:
-            for fd in (out_r, out_w, st_r, st_w):
-                if fd is not None:
-                    os.close(fd)
-            shutil.rmtree(cwd, ignore_errors=True)
-        info = json.loads(status_msg) if status_msg else None
-        note, status = _describe(info, exit_status, timed_out, self.timeout, too_many,
-                                 silent=capture.total == 0)
-        return ExecResult(output=_join_output(capture, note, self.max_output_chars),
-                          status=status, seconds=time.monotonic() - t0)
+            ours.close()
+            os.close(out_r)
+            if not self.contained:
+                shutil.rmtree(cwd, ignore_errors=True)
+        status, note = _describe(info, stop, self.timeout)
+        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
+
+    def _watch(self, sock, out_r, n_prior):
+        """Read a running block's output until it has exited and every writer closed the
+        output (or 0.2 s after its exit, for writers that escaped its group when not
+        contained); stop it at its deadline or as a fork bomb.
+        Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
+        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
+        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, 0.0
+        deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
+        try:
+            while "exit" not in info or (out_open and time.monotonic() < drain_end):
+                now, pid = time.monotonic(), info.get("pid")
+                if "exit" not in info and pid is not None:
+                    # root is exempt from RLIMIT_NPROC: count the processes of its PID namespace
+                    if self.contained and stop is None and "started" in info and now >= count_at:
+                        count_at = now + 0.1
+                        if _processes_in_namespace(pid) > MAX_BLOCK_PROCS:
+                            stop, deadline = "bomb", now
+                    if now >= deadline and stop is None:
+                        stop, deadline = "timeout", now + 0.5  # a KeyboardInterrupt first, then SIGKILL
+                        _signal(pid, signal.SIGINT)
+                    elif now >= deadline:
+                        deadline = now + 0.05  # (again: a bomb's fresh forks can escape one killpg)
+                        _signal(pid, signal.SIGKILL)
+                wake = drain_end if "exit" in info else deadline
+                if self.contained and stop is None and "started" in info:
+                    wake = min(wake, count_at)
+                fds = [out_r] * out_open + [sock] * ("exit" not in info)
+                ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
+                if out_r in ready:
+                    data = os.read(out_r, 1 << 16)
+                    output.add(data)
+                    out_open = bool(data)
+                if sock in ready:
+                    msg = sock.recv(4096)
+                    if not msg:
+                        raise _TemplateDied("the template stopped answering")
+                    msg = json.loads(msg)
+                    if "failed" in msg:
+                        raise SandboxError(f"sandbox could not start a block: {msg['failed']}")
+                    if "started" in msg and stop is None:  # its own time limit starts now
+                        deadline = time.monotonic() + self.timeout
+                    if "pid" in msg:
+                        self._running.add(msg["pid"])
+                    if "exit" in msg and not self.contained:  # what is left of its group goes too
+                        _signal(pid, signal.SIGKILL)
+                        drain_end = time.monotonic() + 0.2
+                    info.update(msg)
+        finally:
+            self._running.discard(info.get("pid"))
+        return info, output, stop
 
 
-class _TemplateDied(Exception):
-    pass
+def _signal(pid, sig):
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.killpg(pid, sig)
 
 
-def _recv_pid(sock, timeout):
-    """The pid the template forked for our request. An exit report of this slot's previous
-    block may still be queued (the caller stops waiting for it once the block has said it
-    is done and closed its output): skip it."""
-    end = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([sock], [], [], max(0.0, end - time.monotonic()))
-        msg = sock.recv(4096) if ready else b""
-        if not msg:
-            raise _TemplateDied("no answer from the template")
-        msg = json.loads(msg)
-        if "exit" not in msg:
-            return msg["pid"]
-
-
-class _HeadTail:
-    """Keeps the first and last `half` bytes of a stream and counts what it drops."""
-
-    def __init__(self, half):
-        self.half, self.head, self.tail, self.total = half, bytearray(), deque(), 0
-        self.tail_len = 0
-
-    def add(self, data):
-        self.total += len(data)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail.append(data)
-            self.tail_len += len(data)
-            while self.tail_len - len(self.tail[0]) >= self.half:
-                self.tail_len -= len(self.tail.popleft())
-
-    @property
-    def cut(self):
-        return max(0, self.total - len(self.head) - min(self.tail_len, self.half))
-
-    def text(self):
-        tail = b"".join(self.tail)[-self.half:] if self.tail else b""
-        if self.cut:
-            return (self.head.decode("utf-8", "replace"), tail.decode("utf-8", "replace"))
-        return (self.head + tail).decode("utf-8", "replace")
-
-
-def _group_size(pgid, limit):
-    """Processes in process group pgid, counting stops past limit."""
+def _user_processes() -> int:
     n = 0
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                st = f.read()
-        except OSError:
-            continue
-        if int(st[st.rfind(b")") + 2:].split()[2]) == pgid:
-            n += 1
-            if n > limit:
-                break
+        with contextlib.suppress(OSError):
+            n += d.isdigit() and os.stat(f"/proc/{d}").st_uid == os.getuid()
     return n
 
 
-def _read_block(out_r, st_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS):
-    """Read a running block's output, with bounded memory, until it is done: it has written
-    its status line and every process closed the output pipe (the common case: no wait for
-    the exit to be reaped), or the template reports its exit, or the deadline passes.
-    Returns (capture, status line bytes, wait status or None, timed_out, too_many_procs)."""
-    capture = _HeadTail(max(64, max_chars))  # bytes; trimmed to characters later
-    deadline = time.monotonic() + timeout
-    exit_status, timed_out, interrupted, out_open = None, False, False, True
-    status_msg, st_open = b"", True
-    # Root (uid 0 of the init user namespace) is exempt from RLIMIT_NPROC whatever its
-    # capabilities, so there a fork bomb is stopped here: the block's group is counted
-    # every 0.1 s and killed when it holds more than max_procs processes.
-    count_every = 0.1 if os.geteuid() == 0 else None
-    next_count, too_many = time.monotonic() + (count_every or 0), False
-    while exit_status is None and not (status_msg and not out_open):
-        now = time.monotonic()
-        if count_every and not interrupted and now >= next_count:
-            next_count = now + count_every
-            if _group_size(pid, max_procs) > max_procs:
-                too_many = interrupted = True
-                _signal_group(pid, signal.SIGKILL)
-                deadline = now + 0.05
-        if now >= deadline:
-            if not interrupted:
-                # First a KeyboardInterrupt, so the traceback shows the line it was stuck on;
-                # a block that swallows it is killed after a short grace.
-                timed_out, interrupted = True, True
-                _signal_group(pid, signal.SIGINT)
-                deadline = now + 0.5
-            else:
-                # A fork bomb's processes forked while the kill was delivered escape it and
-                # keep the machine busy: kill the group again every 50 ms until it is gone.
-                _signal_group(pid, signal.SIGKILL)
-                deadline = now + 0.05
-        fds = ([out_r] if out_open else []) + ([st_r] if st_open else []) + [slot]
-        wake = deadline if interrupted or not count_every else min(deadline, next_count)
-        ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
-        if st_r in ready:  # one write of under PIPE_BUF bytes: it arrives whole
-            data = os.read(st_r, 4096)
-            status_msg += data
-            st_open = False
-        if out_r in ready:
-            data = os.read(out_r, 1 << 16)
-            if data:
-                capture.add(data)
-            else:
-                out_open = False
-        if slot in ready:
-            msg = slot.recv(4096)
-            if not msg:
-                raise _TemplateDied("template closed the slot")
-            msg = json.loads(msg)
-            if msg.get("pid") == pid:  # not a late report of the slot's previous block
-                exit_status = msg["exit"]
-    if exit_status is None:
-        # Done by its own account with every output closed: whatever it left in its
-        # group (a process that closed its output) is killed; the template reaps it later.
-        _signal_group(pid, signal.SIGKILL)
-        return capture, status_msg, None, timed_out, too_many
-    if st_open:  # a status line written just before the exit report came
-        os.set_blocking(st_r, False)
-        try:
-            status_msg += os.read(st_r, 4096)
-        except BlockingIOError:  # killed before it could say anything
-            pass
-    # The block's process is gone; whatever it started in its group goes too. Processes
-    # forked while a kill is delivered can escape one killpg, so repeat until the group is
-    # empty (the template, as subreaper, reaps them).
-    for _ in range(200):
-        _signal_group(pid, signal.SIGKILL)
-        try:
-            os.killpg(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.005)
-    os.set_blocking(out_r, False)
-    end = time.monotonic() + 0.2  # drain what is buffered (escaped writers may hold it open)
-    while time.monotonic() < end:
-        ready, _, _ = select.select([out_r], [], [], end - time.monotonic())
-        if not ready:
-            break
-        try:
-            data = os.read(out_r, 1 << 16)
-        except BlockingIOError:
-            continue
-        if not data:
-            break
-        capture.add(data)
-    return capture, status_msg, exit_status, timed_out, too_many
+def _processes_in_namespace(pid) -> int:
+    with contextlib.suppress(OSError):  # its own /proc, seen through its root directory
+        return sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc"))
+    return 0
 
 
-def _signal_group(pid, sig):
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+class _HeadTail:
+    """The first and last `half` bytes of a stream, in bounded memory, and its length."""
+
+    def __init__(self, half):
+        self.half, self.head, self.tail, self.total = half, bytearray(), bytearray(), 0
+
+    def add(self, data):
+        self.total += len(data)
+        room = max(0, self.half - len(self.head))
+        self.head += data[:room]
+        self.tail += data[room:]
+        if len(self.tail) > 2 * self.half:
+            del self.tail[:-self.half]
 
 
-def _describe(info, exit_status, timed_out, timeout, too_many=False, silent=False):
-    """The status of a finished block and a last line that says, in words a model can act
-    on, why it stopped (empty for a normal finish). `silent`: the block printed nothing.
-    Returns (note, status)."""
-    kind = info["kind"] if info else None
-    if too_many:
-        return (f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes "
-                "(a fork bomb?).", "killed")
-    if timed_out:
-        return f"TimeoutError: the block ran longer than {timeout:g} s and was stopped.", "timeout"
-    if kind == "ok":
-        return "", "ok"
-    if kind in ("error", "timeout"):  # its traceback is in the output, unless it closed stdout
-        return (f"[the block raised {info['detail']}]" if silent else ""), "error"
-    if kind == "memory":
-        return "(The block hit its memory limit.)", "memory"
-    if kind in ("exit", "os_exit"):
-        code = 0 if info["detail"] in ("", "0", "None") else info["detail"]
-        fn = "os._exit" if kind == "os_exit" else "sys.exit"
-        return f"[{fn}({code}) called: the program stopped here]", "ok" if code == 0 else "error"
-    # No status line from the block: the process died without running our exit path.
-    if exit_status is not None and os.WIFSIGNALED(exit_status):
-        sig = os.WTERMSIG(exit_status)
-        name = signal.Signals(sig).name if sig in {s.value for s in signal.Signals} else str(sig)
+def _describe(info, stop, timeout):
+    """(status, note): how the block ended, and a last line that says so in words a model
+    can act on ('' for a normal end). info: its messages (exit: wait status; code, error:
+    its Python exit code and exception name, when it ended through Python)."""
+    if stop == "bomb":
+        return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
+    if stop == "timeout":
+        return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
+    if "code" in info:
+        if info["error"] == "MemoryError":
+            return "memory", "(The block hit its memory limit.)"
+        note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
+        return ("ok" if info["code"] == 0 else "error"), note
+    if os.WIFSIGNALED(info["exit"]):
+        sig = os.WTERMSIG(info["exit"])
         if sig == signal.SIGKILL:
-            return "Process killed by SIGKILL (possibly out of memory).", "memory"
+            return "memory", "Process killed by SIGKILL (possibly out of memory)."
         if sig == signal.SIGXCPU:
-            return "Process killed: CPU time limit exceeded.", "timeout"
-        return f"Process killed by signal {name} ({signal.strsignal(sig)}).", "killed"
-    code = os.WEXITSTATUS(exit_status) if exit_status is not None else "unknown"
-    return f"Process exited abruptly with code {code}.", "error"
+            return "timeout", "Process killed: CPU time limit exceeded."
+        name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
+        return "killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."
+    code = os.WEXITSTATUS(info["exit"])
+    return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
 
 
-def _join_output(capture, note, max_chars):
-    """The block's output capped at max_chars (head + a marker of what was cut + tail),
-    then the status note."""
+def _join_output(output, note, max_chars):
+    """The block's output capped at max_chars (0 = no cap): head + a marker of what was
+    cut + tail, then the status note."""
     half = max_chars // 2
-    text = capture.text()
-    if isinstance(text, tuple):  # cut while reading: sizes are in bytes
-        head, tail = text[0][:half], text[1][-half:]
-        cut = capture.total - len(head.encode()) - len(tail.encode())
-        body = f"{head}\n... [{cut} bytes of output cut] ...\n{tail}"
-    elif len(text) > max_chars:
-        body = f"{text[:half]}\n... [{len(text) - 2 * half} characters of output cut] ...\n{text[-half:]}"
+    if output.total > len(output.head) + len(output.tail):  # cut while reading: in bytes
+        head = output.head.decode("utf-8", "replace")[:half]
+        tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace")[-half:]
+        body = f"{head}\n... [{output.total - len(head.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
     else:
-        body = text
+        body = (output.head + output.tail).decode("utf-8", "replace")
+        if max_chars and len(body) > max_chars:
+            body = f"{body[:half]}\n... [{len(body) - 2 * half} characters of output cut] ...\n{body[-half:]}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -2454,21 +2378,48 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     return _sympy_equal(p, g, timeout)
 
 
+def _number(kind, low, strict=False):
+    """An argparse type: a finite `kind` >= low (> low if strict)."""
+    def parse(text):
+        value = kind(text)
+        if not (math.isfinite(value) and (value > low or value == low and not strict)):
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if strict else '>='} {low}, not {text}")
+        return value
+    return parse
+
+
 def main():
-    p = argparse.ArgumentParser(description="Run a Python file through the THINC sandbox and "
-                                "print what the model would see.")
-    p.add_argument("file", help="Python file, run as one block")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds, wall clock")
-    p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit, MiB")
-    p.add_argument("--max-output-chars", type=int, default=2000, help="output cap, characters")
+    p = argparse.ArgumentParser(description="Run Python files through the THINC sandbox and print "
+                                "what the model would see after each.")
+    p.add_argument("files", nargs="+", help="Python files, each run as one block")
+    p.add_argument("--stateful", action="store_true",
+                   help="run the files as the successive blocks of one trajectory (see Sandbox.run)")
+    p.add_argument("--timeout", type=_number(float, 0, strict=True), default=10.0, help="seconds a block, wall clock")
+    p.add_argument("--memory-mb", type=_number(int, 0), default=4096, help="address-space limit, MiB; 0 = none")
+    p.add_argument("--max-output-chars", type=_number(int, 0), default=2000, help="output cap, characters; 0 = none")
     args = p.parse_args()
-    with open(args.file) as f:
-        code = f.read()
+    codes = []
+    for path in args.files:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            codes.append(data.decode("utf-8"))
+        except OSError as e:
+            p.error(f"{path}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            p.error(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})")
+        if "\0" in codes[-1]:
+            p.error(f"{path}: a binary file (NUL bytes), not Python source")
+    history = []
     with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
                  max_output_chars=args.max_output_chars) as sb:
-        r = sb.run(code)
-    print(r.output)
-    print(f"[status: {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
+        for path, code in zip(args.files, codes):
+            r = sb.run(code, history=list(history) if args.stateful else None)
+            history.append({"code": code, "output": r.output, "status": r.status})
+            if len(args.files) > 1:
+                print(f"# {path}")
+            print(r.output)
+            print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
 
 
 if __name__ == "__main__":
