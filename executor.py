@@ -25,11 +25,14 @@ import argparse
 import atexit
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
-import inspect
+import io
 import json
+import linecache
 import math
 import os
+import random
 import re
 import resource
 import select
@@ -41,15 +44,18 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+import types
 from dataclasses import dataclass
 from fractions import Fraction
 
 # -----------------------------------------------------------------------------
-# Sandbox: a fork server of pre-imported workers, one set of Linux namespaces per block
+# Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
-_SANDBOX_FILE = "<thinc-sandbox>"  # the template's code runs under this file name
+_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
 class SandboxError(RuntimeError):
@@ -76,225 +82,77 @@ class ExecResult:
         return self.status == "ok"
 
 
-def _template_main(ctrl_fd: int, preimports: list, contain: bool):  # the template process, stdlib only
-    """The fork server: imports numpy, scipy and sympy once, then forks one child per
-    request on the control socket. A request carries three fds: a memfd holding the JSON
-    request, the block's socket (the template writes the child's pid and wait status there,
-    the child writes when its code starts and how it ended) and the output pipe's write end.
-    With `contain`, the template first makes its mount namespace read-only and nodev, and
-    each child is pid 1 of a new PID namespace (so all it starts dies with it) with a
-    private mount namespace holding its own tmpfs /tmp, /dev/shm and /proc, and no
-    capabilities left (it cannot remount anything writable)."""
-    import atexit
-    import ctypes
-    import hashlib
-    import importlib
-    import io
-    import json
-    import linecache
-    import os
-    import random
-    import resource
-    import select
-    import signal
-    import socket
-    import sys
-    import threading
-    import traceback
-    import types
+def _libc(name, *args):
+    if getattr(_LIBC, name)(*args) != 0:
+        raise OSError(ctypes.get_errno(), f"{name}: {os.strerror(ctypes.get_errno())}")
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    NEWNS, NEWPID, RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
-    KEEP = {"nosuid": NOSUID, "noexec": NOEXEC, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 
-    def check(ret):
-        if ret != 0:
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+def _mount(src, target, fstype, flags, data=None):
+    _libc("mount", src, target, fstype, ctypes.c_ulong(flags), data)
 
-    def mount(src, target, fstype, flags, data=None):
-        check(libc.mount(src, target, fstype, ctypes.c_ulong(flags), data))
 
+def _template_main(ctrl_fd: int, preimports: list, contain: bool):
+    """The fork server, in the template process (started by Sandbox._start). It imports
+    numpy, scipy and sympy once, then forks one child per request on the control socket;
+    a request carries three fds: a memfd with the request's JSON, the block's socket (the
+    template sends the child's pid and wait status there) and the output pipe's write end.
+    With `contain`, every mount of the template's own mount namespace is made read-only
+    and nodev first, and each block gets a new PID namespace (see below)."""
     for name in preimports:
-        try:
-            importlib.import_module(name)
-        except Exception:  # a missing package surfaces as an ImportError inside the block
-            pass
-    devices = [f"/dev/{d}".encode() for d in ("null", "zero", "full", "random", "urandom")]
-    why = ""
+        with contextlib.suppress(ImportError):  # a missing package fails inside the block
+            __import__(name)
+    ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
     if contain:
         try:
-            check(libc.unshare(NEWNS))
-            mount(None, b"/", None, 16384 | (1 << 18))  # MS_REC | MS_PRIVATE: nothing reaches the caller
-            for dev in devices:  # a mount of their own: still usable once every other mount is nodev
-                mount(dev, dev, None, BIND)
+            _libc("unshare", _NEWNS)
+            _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
+            for dev in devices:  # mounts of their own, so usable when every other mount is nodev
+                _mount(dev, dev, None, _BIND)
             with open("/proc/self/mountinfo") as f:
-                mounts = [line.split() for line in f]
-            for m in mounts:  # nodev too: root could write a raw disk through its device file
-                flags = sum(v for k, v in KEEP.items() if k in m[5].split(","))
-                target = m[4].encode().decode("unicode_escape").encode()
-                mount(None, target, None, REMOUNT | BIND | RDONLY | flags | (0 if target in devices else NODEV))
+                targets = [line.split()[4].encode() for line in f]
+            for target in targets:  # nodev too: through a device file root could write a disk
+                _mount(None, target, None, _REMOUNT | _BIND | _RDONLY | (0 if target in devices else _NODEV))
             pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
         except OSError as e:
-            contain, why = False, f"cannot make the mount namespace read-only: {e}"
-    ctrl = socket.socket(fileno=ctrl_fd)
+            contain, why = False, f"cannot make the filesystem read-only for blocks: {e}"
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *a: None)
-    running = {}  # pid -> that block's socket
+    signal.signal(signal.SIGCHLD, lambda *a: None)  # (only to wake the select below)
     ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
-
-    def send(s, msg):
-        try:
-            s.send(json.dumps(msg).encode())
-        except OSError:  # the caller gave up on this block
-            pass
-
-    class NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
-        def read(self, *a):
-            raise EOFError("no input is available: the block runs without stdin")
-        readline = read
-
-    def show(e):  # Python's traceback of e without the sandbox's own frames
-        te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
-        todo = [te]
-        while todo:
-            t = todo.pop()
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != _SANDBOX_FILE])
-                todo += [t.__cause__, t.__context__]
-        sys.stderr.write("".join(te.format()))
-
-    def execute(blocks, k, main, stateful):
-        """Run blocks[k] in `main`; stateful: its random draws depend on blocks[:k + 1] only."""
-        seed = int(hashlib.sha256("\0".join(blocks[:k + 1]).encode()).hexdigest()[:15], 16) if stateful else None
-        random.seed(seed)
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed(None if seed is None else seed % 2 ** 32)
-        if "sympy" in sys.modules:
-            sys.modules["sympy"].core.random.seed(seed)
-        name = "<code>" if k == len(blocks) - 1 else f"<block {k + 1}>"
-        linecache.cache[name] = (len(blocks[k]), None, blocks[k].splitlines(True), name)
-        exec(compile(blocks[k], name, "exec"), main.__dict__)
-
-    def replay(blocks, main, devnull):
-        """Stateful mode: run the earlier blocks again, output to /dev/null; an error or
-        exit ends that block only, as in a persistent interpreter."""
-        saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
-        for k in range(len(blocks) - 1):
-            try:
-                execute(blocks, k, main, True)
-            except (Exception, SystemExit):
-                pass
-        os._exit = real_exit
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-
-    def block(req_fd, sock_fd, out_w, hold_w):  # in the child; ends in os._exit
-        os.setsid()  # its own process group
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
-        req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
-        for fd in (req_fd, wake_r, wake_w, *[w for _, w in running.values()], hold_w):
-            if fd is not None:
-                os.close(fd)
-        for s in [ctrl, *[s for s, _ in running.values()]]:
-            s.close()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock = socket.socket(fileno=sock_fd)
-        sock.set_inheritable(False)
-        cwd = req["cwd"]
-        if contain:
-            os.close(pid_ns)
-            check(libc.unshare(NEWNS))
-            for target in (b"/tmp", b"/dev/shm"):  # gone with the namespace, whatever happens
-                mount(b"tmpfs", target, b"tmpfs", NOSUID | NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
-            mount(b"proc", b"/proc", b"proc", NOSUID | NODEV | NOEXEC)  # this namespace's processes
-            mount(None, b"/proc", None, REMOUNT | BIND | RDONLY | NOSUID | NODEV | NOEXEC)
-            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-            for cap in range(64):  # PR_CAPBSET_DROP: programs it runs get no capability either
-                libc.prctl(24, cap, 0, 0, 0)
-            check(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()))
-        os.chdir(cwd)
-        for lim, val in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
-                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
-                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
-            try:
-                resource.setrlimit(lim, (val, val))
-            except (ValueError, OSError):
-                pass
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd, src in ((0, devnull), (1, out_w), (2, out_w)):
-            os.dup2(src, fd)
-        os.close(out_w)
-        os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
-        sys.argv = ["<code>"]
-        sys.path.insert(0, cwd)
-        sys.stdin = sys.__stdin__ = NoStdin()
-        sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
-                                                   errors="backslashreplace", write_through=True) for fd in (1, 2)]
-        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # as `python -u`
-        main = sys.modules["__main__"] = types.ModuleType("__main__")
-        blocks = req["prior"] + [req["code"]]
-        code, error = 0, None
-        try:
-            replay(blocks, main, devnull)
-            sock.send(b'{"started": true}')
-            execute(blocks, len(blocks) - 1, main, req["stateful"])
-        except SystemExit as e:
-            code = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256
-            error = "SystemExit"
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException as e:  # a timeout while replaying is shown nowhere: stderr is /dev/null then
-            code, error = 1, type(e).__name__
-            show(e)
-        try:
-            threading._shutdown()  # wait for non-daemon threads
-            atexit._run_exitfuncs()
-        except BaseException:  # the timeout's KeyboardInterrupt while waiting
-            pass
-        sock.send(json.dumps({"code": code, "error": error}).encode())
-        os._exit(code)
-
+    running = {}  # pid of a block -> (its socket, write end of its namespace's init pipe)
     while True:
         ready, _, _ = select.select([ctrl, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
         if ctrl in ready:
-            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3)
-            if not msg:  # the caller closed its end: shut down
+            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3, socket.MSG_CMSG_CLOEXEC)
+            if not msg:  # the caller closed its end
                 return
-            for fd in fds:
-                os.set_inheritable(fd, False)
             hold_w = None
             if contain:
                 # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
-                # template holds: when the block has been reaped (or the template dies) the
-                # pipe closes, cat exits and the kernel kills whatever is left in it. (The
-                # block itself is not pid 1: there, signals without a handler are ignored.)
-                check(libc.unshare(NEWPID))
+                # template holds: once the block is reaped (or the template dies) the pipe
+                # closes, cat exits and the kernel kills all that is left in the namespace.
+                # (The block is pid 2, not 1: pid 1 ignores signals it has no handler for.)
+                _libc("unshare", _NEWPID)
                 hold_r, hold_w = os.pipe()
                 os.posix_spawn("/bin/cat", ["cat"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
                 os.close(hold_r)
             pid = os.fork()
             if pid == 0:
                 try:
-                    block(*fds, hold_w)
+                    _block_child(*fds, contain)
                 except BaseException as e:  # the sandbox's own failure, not the block's
-                    socket.socket(fileno=fds[1]).send(json.dumps({"failed": repr(e)}).encode())
+                    os.write(fds[2], f"\0sandbox: {e!r}".encode())
                 finally:
                     os._exit(70)
             if contain:
-                check(libc.setns(pid_ns, NEWPID))
+                _libc("setns", pid_ns, _NEWPID)
             os.close(fds[0])
             os.close(fds[2])
             running[pid] = socket.socket(fileno=fds[1]), hold_w
-            send(running[pid][0], {"pid": pid})
+            _send(running[pid][0], pid=pid)
         while True:  # reap every exited child; report how each block ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -304,10 +162,121 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):  # the templa
                 break
             if pid in running:
                 sock, hold_w = running.pop(pid)
-                send(sock, {"exit": status})
+                _send(sock, exit=status)
                 sock.close()
                 if hold_w is not None:
                     os.close(hold_w)
+
+
+def _send(sock, **msg):
+    with contextlib.suppress(OSError):  # the caller gave up on this block
+        sock.send(json.dumps(msg).encode())
+
+
+def _block_child(req_fd, sock_fd, out_w, contain):
+    """The forked child: becomes the fresh program `python -u block.py` would be, runs
+    the block (after the earlier ones, in stateful mode) and exits as Python does. As a
+    contained block it has a private tmpfs /tmp (its directory) and /dev/shm, its
+    namespace's own /proc, and no capabilities (so it cannot remount anything)."""
+    os.setsid()  # its own process group
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
+    req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
+    if contain:
+        _libc("unshare", _NEWNS)
+        for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
+            _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
+        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
+        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
+        _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
+            _LIBC.prctl(24, cap, 0, 0, 0)
+        _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+    cwd = req["cwd"]
+    os.chdir(cwd)
+    for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
+                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
+                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(limit, (value, value))
+    os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+    os.dup2(out_w, 1)
+    os.dup2(out_w, 2)
+    os.dup2(sock_fd, 3, inheritable=False)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the template's and other blocks' fds
+    os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
+    sys.argv = ["<code>"]
+    sys.path.insert(0, cwd)
+    sys.stdin = sys.__stdin__ = _NoStdin()
+    sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                               errors="backslashreplace", write_through=True) for fd in (1, 2)]
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # unbuffered, as `python -u`
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    blocks, sock = req["prior"] + [req["code"]], socket.socket(fileno=3)
+    code, error = 0, None
+    try:
+        _replay(blocks, main)
+        sock.send(b'{"started": true}')
+        _execute(blocks, len(blocks) - 1, main, req["stateful"])
+    except SystemExit as e:
+        code, error = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256, "SystemExit"
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # (a timeout while replaying goes to /dev/null with its output)
+        code, error = 1, type(e).__name__
+        _print_traceback(e)
+    with contextlib.suppress(BaseException):  # (the timeout's KeyboardInterrupt while waiting)
+        threading._shutdown()  # as at Python's exit: non-daemon threads finish, then atexit
+        atexit._run_exitfuncs()
+    sock.send(json.dumps({"code": code, "error": error}).encode())
+    os._exit(code)
+
+
+class _NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
+    def read(self, *a):
+        raise EOFError("no input is available: the block runs without stdin")
+    readline = read
+
+
+def _execute(blocks, k, main, stateful):
+    """Run blocks[k] in module `main`. Stateful: its random draws depend on blocks[:k + 1]."""
+    random.seed("\0".join(blocks[:k + 1]) if stateful else None)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(random.getrandbits(32))
+    if "sympy" in sys.modules:
+        sys.modules["sympy"].core.random.seed(random.getrandbits(64))
+    name = "<code>" if k == len(blocks) - 1 else f"<block {k + 1}>"
+    linecache.cache[name] = (len(blocks[k]), None, blocks[k].splitlines(True), name)
+    exec(compile(blocks[k], name, "exec"), main.__dict__)
+
+
+def _replay(blocks, main):
+    """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
+    an error or exit ends that block only, as in a persistent interpreter."""
+    saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
+    os.dup2(0, 1)
+    os.dup2(0, 2)
+    os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
+    for k in range(len(blocks) - 1):
+        with contextlib.suppress(Exception, SystemExit):
+            _execute(blocks, k, main, True)
+    os._exit = real_exit
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
+
+
+def _print_traceback(e):
+    """Python's traceback of e (and its chained exceptions) without the sandbox's frames."""
+    te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != __file__])
+            todo += [t.__cause__, t.__context__]
+    sys.stderr.write("".join(te.format()))
 
 
 class _TemplateDied(Exception):
@@ -317,26 +286,28 @@ class _TemplateDied(Exception):
 class Sandbox:
     """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
-    Each block runs as `python -u block.py` would in a new process: as `__main__` (so
-    pickling, multiprocessing with fork and `if __name__ == "__main__":` work), with fresh
-    `random` / `numpy.random` / sympy streams, unbuffered output (what was printed before a
-    timeout, kill or crash is returned; child processes interleave in write order), Python's
-    exit codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads
-    and atexit functions finish, within the time limit). It is forked from a template that
-    has imported numpy, scipy and sympy (milliseconds per block, against ~0.5-1 s of CPU
-    for a fresh interpreter: tests/benchmarks/bench_sandbox.py; at ~6 blocks a trajectory,
-    fresh interpreters would spend more CPU than decoding on the same cores). The fork
-    shares only the imported modules' state; the random streams are reseeded.
+    A block runs as `python -u block.py` would in a new process: as `__main__` (pickling,
+    multiprocessing with fork and `if __name__ == "__main__":` work), with fresh `random`,
+    `numpy.random` and sympy streams, unbuffered output (what was printed before a timeout,
+    kill or crash is returned; child processes interleave in write order), Python's exit
+    codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads and
+    atexit functions finish, within the time limit). Tracebacks show the block's frames.
+    It is forked from a template that has imported numpy, scipy and sympy. Why a fork
+    server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
+    costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
+    once) costs ~0.5-1 s of CPU per block for the imports, which at ~6 blocks a trajectory
+    competes with decoding for the same cores. What a fork shares (the random streams) is
+    reset; the string hash seed stays the template's.
 
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
     shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
-    seconds, file size and processes; output read with bounded memory, head + tail kept;
-    no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg, no caller's
-    variables). As root (`contained`), a block is pid 1 of its own PID namespace (all it
-    starts dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork
-    bomb), sees the filesystem read-only and nodev except a private tmpfs /tmp (its working
-    directory and TMPDIR) and /dev/shm, and has no capabilities. Otherwise it runs as the
-    caller in its own process group and temporary directory (see the module docstring).
+    seconds, file size and, when not root, processes; output read with bounded memory,
+    head + tail kept; no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg).
+    As root (`contained` is then True), a block has its own PID namespace (all it starts
+    dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork bomb)
+    and mount namespace: the filesystem read-only and nodev except a private tmpfs /tmp
+    (its working directory and TMPDIR) and /dev/shm; no capabilities. Otherwise it runs
+    as the caller, in its own process group and temporary directory.
 
     Args:
         workers: blocks run at once (default: the CPUs this process may use).
@@ -346,33 +317,32 @@ class Sandbox:
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted.
+        ValueError: a limit out of range. SandboxError: the template cannot start, or died
+        and cannot be restarted.
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
 
-    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal",
-                  "numpy", "sympy", "scipy", "scipy.special", "scipy.optimize", "scipy.linalg",
-                  "scipy.integrate")
+    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal", "numpy", "sympy",
+                  "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
-        if not (timeout > 0 and memory_mb >= 0 and max_output_chars >= 0 and max_file_mb > 0):
-            raise ValueError("Sandbox: timeout and max_file_mb must be > 0, memory_mb and max_output_chars >= 0")
+        if not (0 < timeout < math.inf and memory_mb >= 0 and max_output_chars >= 0 and max_file_mb > 0):
+            raise ValueError("Sandbox: timeout, max_file_mb must be > 0; memory_mb, max_output_chars >= 0")
         self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
-        self._slots = threading.Semaphore(self.workers)
-        self._lock = threading.Lock()
+        self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
         self._proc, self._closed, self._running, self._generation = None, False, set(), 0
-        # The kernel applies RLIMIT_NPROC to all of a user's processes and never to root.
+        # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
         self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = (f"_SANDBOX_FILE = {_SANDBOX_FILE!r}\n"
-                f"exec(compile({inspect.getsource(_template_main)!r}, _SANDBOX_FILE, 'exec'))\n"
-                f"_template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
+        boot = (f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                f"import executor\nsys.path.pop(0)\n"
+                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
@@ -381,16 +351,13 @@ class Sandbox:
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
-            ours.close()
             raise SandboxError(f"sandbox cannot start {self.python!r}: {e}") from e
         finally:
             theirs.close()
         hello = ours.recv(4096) if select.select([ours], [], [], 60)[0] else b""
         if not hello:
             self._proc.kill()
-            self._proc.wait()
-            ours.close()
-            err = self._proc.stderr.read().decode(errors="replace")[-2000:].strip()
+            err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
         self._proc.stderr.close()
         hello = json.loads(hello)
@@ -399,20 +366,12 @@ class Sandbox:
         self.contained, self._ctrl = hello["contained"], ours
         self._generation += 1
 
-    def _restart(self, generation):
-        with self._lock:
-            if self._closed:
-                raise SandboxError("sandbox was closed while a block ran")
-            if generation == self._generation:  # (else another thread restarted it already)
-                self._stop()
-                self._start()
-
     def _stop(self):
         if self._proc is not None:
             self._ctrl.close()
             for pid in list(self._running):
                 _signal(pid, signal.SIGKILL)
-            _signal(self._proc.pid, signal.SIGKILL)
+            _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
             self._proc.wait()
             self._proc = None
 
@@ -436,21 +395,21 @@ class Sandbox:
         """Run one block and return what the model should see. Thread-safe. A block longer
         than MAX_CODE_BYTES is not run and gets an error result.
 
-        history: stateful mode (`--stateful`, an ablation; the paper does not say which
-        policy it used): the earlier blocks of the same trajectory as dicts with 'code' and
-        'status' (`Sample.blocks`); the block then sees the variables, functions and imports
-        they defined. Mechanism: replay. The earlier blocks that ended through Python
-        (status 'ok' or 'error') run again first in the same fresh process, their output
-        discarded; a block that raised keeps what it did before the error, one that timed
-        out, hit the memory limit or was killed is not part of the state. Each block seeds
-        `random`, `numpy.random` and sympy from a hash of the trajectory's code up to it, so
-        a replay draws what the model saw (os.urandom, time and the like are drawn anew).
-        Files are rewritten by the replay in the fresh directory; processes and threads the
-        earlier blocks left running are started again. Cost: block k re-runs blocks 1..k-1
-        (quadratic time); the replay gets `timeout` seconds for each replayed block, then
-        the block itself its own `timeout`. Nothing is kept between calls, so state never
-        leaks between trajectories, rows of a group, problems or ranks.
-        Raises SandboxError if the sandbox itself fails twice in a row."""
+        history: stateful mode (`--stateful`: an ablation; the paper does not say which
+        policy it used), the earlier blocks of the same trajectory as dicts with 'code' and
+        'status' (`Sample.blocks`; [] for the first block). The block then sees the
+        variables, functions and imports they defined. Mechanism: replay. The earlier
+        blocks that ended through Python (status 'ok' or 'error') run again first, in the
+        same fresh process, their output discarded: one that raised keeps what it did
+        before the error; one that timed out, hit the memory limit or was killed is not
+        part of the state. Each block seeds `random`, `numpy.random` and sympy from its
+        trajectory's code up to it, so a replay draws what the model saw (os.urandom, time
+        and the like differ). Files the earlier blocks wrote are written again in the fresh
+        directory; processes and threads they left running are started again. Cost: block
+        k re-runs blocks 1..k-1 (quadratic time in a trajectory); the replay may take
+        `timeout` seconds per replayed block, then the block has its own `timeout`. Nothing
+        is kept between calls, so state never leaks across trajectories, rows, problems
+        or ranks. Raises SandboxError if the sandbox itself fails twice in a row."""
         size = len(code.encode("utf-8", "replace"))
         if size > MAX_CODE_BYTES:
             return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
@@ -458,16 +417,19 @@ class Sandbox:
         prior = [b["code"] for b in history or () if b["status"] in ("ok", "error")
                  and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
+            generation = self._generation
             if self._closed:
                 raise SandboxError("sandbox is closed")
-            generation = self._generation
             try:
                 with self._slots:
                     return self._run(code, prior, stateful=history is not None)
             except _TemplateDied as e:
-                if attempt == 1 or self._closed:
-                    raise SandboxError(f"sandbox template died: {e}") from e
-                self._restart(generation)
+                with self._lock:
+                    if attempt == 1 or self._closed:
+                        raise SandboxError(f"sandbox template died: {e}") from e
+                    if generation == self._generation:  # (else another thread restarted it)
+                        self._stop()
+                        self._start()
 
     def run_many(self, codes: list[str]) -> list[ExecResult]:
         """Run blocks in parallel (up to `workers` at once); results in input order."""
@@ -480,20 +442,17 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         req = os.memfd_create("thinc_block")
+        os.write(req, json.dumps({
+            "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
+            "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
+            "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
         try:
-            os.write(req, json.dumps({
-                "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
-                "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
-                "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
-            try:
-                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
-            except OSError as e:
-                raise _TemplateDied(str(e)) from e
-            finally:
-                theirs.close()
-                os.close(out_w)
-                os.close(req)
+            socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+            for fd in (req, theirs.detach(), out_w):
+                os.close(fd)
             info, output, stop = self._watch(ours, out_r, len(prior))
+        except OSError as e:  # the template is gone
+            raise _TemplateDied(str(e)) from e
         finally:
             ours.close()
             os.close(out_r)
@@ -504,32 +463,26 @@ class Sandbox:
 
     def _watch(self, sock, out_r, n_prior):
         """Read a running block's output until it has exited and every writer closed the
-        output (or 0.2 s after its exit, for writers that escaped its group when not
+        output (or 0.2 s after its exit, for writers that left its group when not
         contained); stop it at its deadline or as a fork bomb.
         Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, 0.0
+        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf
         deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
         try:
             while "exit" not in info or (out_open and time.monotonic() < drain_end):
-                now, pid = time.monotonic(), info.get("pid")
-                if "exit" not in info and pid is not None:
-                    # root is exempt from RLIMIT_NPROC: count the processes of its PID namespace
-                    if self.contained and stop is None and "started" in info and now >= count_at:
-                        count_at = now + 0.1
-                        if _processes_in_namespace(pid) > MAX_BLOCK_PROCS:
+                now, pid, counting = time.monotonic(), info.get("pid"), self.contained and "started" in info
+                if counting and stop is None and now >= count_at:  # root is exempt from RLIMIT_NPROC
+                    count_at = now + 0.1
+                    with contextlib.suppress(OSError):  # its namespace's /proc, through its root
+                        if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
                             stop, deadline = "bomb", now
-                    if now >= deadline and stop is None:
-                        stop, deadline = "timeout", now + 0.5  # a KeyboardInterrupt first, then SIGKILL
-                        _signal(pid, signal.SIGINT)
-                    elif now >= deadline:
-                        deadline = now + 0.05  # (again: a bomb's fresh forks can escape one killpg)
-                        _signal(pid, signal.SIGKILL)
-                wake = drain_end if "exit" in info else deadline
-                if self.contained and stop is None and "started" in info:
-                    wake = min(wake, count_at)
-                fds = [out_r] * out_open + [sock] * ("exit" not in info)
-                ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
+                if now >= deadline and pid is not None and "exit" not in info:
+                    _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
+                    stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
+                wake = drain_end if "exit" in info else min(deadline, count_at if counting and not stop else math.inf)
+                ready, _, _ = select.select([out_r] * out_open + [sock] * ("exit" not in info), [], [],
+                                            max(0.0, wake - time.monotonic()))
                 if out_r in ready:
                     data = os.read(out_r, 1 << 16)
                     output.add(data)
@@ -539,23 +492,23 @@ class Sandbox:
                     if not msg:
                         raise _TemplateDied("the template stopped answering")
                     msg = json.loads(msg)
-                    if "failed" in msg:
-                        raise SandboxError(f"sandbox could not start a block: {msg['failed']}")
                     if "started" in msg and stop is None:  # its own time limit starts now
                         deadline = time.monotonic() + self.timeout
                     if "pid" in msg:
                         self._running.add(msg["pid"])
                     if "exit" in msg and not self.contained:  # what is left of its group goes too
                         _signal(pid, signal.SIGKILL)
-                        drain_end = time.monotonic() + 0.2
+                    drain_end = time.monotonic() + 0.2 if "exit" in msg else drain_end
                     info.update(msg)
         finally:
             self._running.discard(info.get("pid"))
+        if output.head.startswith(b"\0sandbox: "):
+            raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
         return info, output, stop
 
 
 def _signal(pid, sig):
-    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
 
@@ -565,12 +518,6 @@ def _user_processes() -> int:
         with contextlib.suppress(OSError):
             n += d.isdigit() and os.stat(f"/proc/{d}").st_uid == os.getuid()
     return n
-
-
-def _processes_in_namespace(pid) -> int:
-    with contextlib.suppress(OSError):  # its own /proc, seen through its root directory
-        return sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc"))
-    return 0
 
 
 class _HeadTail:
@@ -590,23 +537,23 @@ class _HeadTail:
 
 def _describe(info, stop, timeout):
     """(status, note): how the block ended, and a last line that says so in words a model
-    can act on ('' for a normal end). info: its messages (exit: wait status; code, error:
-    its Python exit code and exception name, when it ended through Python)."""
+    can act on ('' for a normal end). info: its messages (exit: its wait status; code and
+    error: its Python exit code and exception name, when it ended through Python)."""
     if stop == "bomb":
         return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
     if stop == "timeout":
         return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
+    if "code" in info and info["error"] == "MemoryError":
+        return "memory", "(The block hit its memory limit.)"
     if "code" in info:
-        if info["error"] == "MemoryError":
-            return "memory", "(The block hit its memory limit.)"
         note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
         return ("ok" if info["code"] == 0 else "error"), note
-    if os.WIFSIGNALED(info["exit"]):
-        sig = os.WTERMSIG(info["exit"])
-        if sig == signal.SIGKILL:
-            return "memory", "Process killed by SIGKILL (possibly out of memory)."
-        if sig == signal.SIGXCPU:
-            return "timeout", "Process killed: CPU time limit exceeded."
+    sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
+    if sig == signal.SIGKILL:
+        return "memory", "Process killed by SIGKILL (possibly out of memory)."
+    if sig == signal.SIGXCPU:
+        return "timeout", "Process killed: CPU time limit exceeded."
+    if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
         return "killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."
     code = os.WEXITSTATUS(info["exit"])
@@ -1083,7 +1030,8 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed: int = 0, progress: bool = False, stats: dict | None = None) -> list:
+            max_tool_calls: int = 20, seed: int = 0, progress: bool = False, stats: dict | None = None,
+            stateful: bool = False) -> list:
     """Sample THINC trajectories: decode, run each closed ```python block, append its
     ```output block, continue from the KV cache, until EOS or a budget.
 
@@ -1109,6 +1057,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             blocks (up to the floating-point effects of which rows share a forward).
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
+        stateful: each block sees what the earlier blocks of its own trajectory defined
+            (`Sandbox.run`'s history; `sandbox.run` is then called with `history=`).
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
@@ -1181,7 +1131,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_calls,
                                   tokenizer, finish)
                     if r.code is not None:
-                        r.running = pool.submit(sandbox.run, r.code)
+                        history = {"history": list(r.blocks)} if stateful else {}
+                        r.running = pool.submit(sandbox.run, r.code, **history)
             # 3) finished rows leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             if len(keep) < len(live):

@@ -927,7 +927,8 @@ def test_root_block_cannot_delete_or_change_files_outside_its_directory(sb):
                        "for act in (lambda: os.remove(p), lambda: open(p, 'w').write('gone'),\n"
                        "            lambda: os.chmod(p, 0), lambda: os.rename(p, p + '.x')):\n"
                        "    try:\n        act()\n    except OSError as e:\n        print(e.strerror)\n")
-            assert r.output.splitlines() in (["Read-only file system"] * 4, ["No such file or directory"] * 4), r.output
+            if target == in_run:  # (/tmp is the block's own tmpfs: there it sees no sentinel at all)
+                assert r.output.splitlines() == ["Read-only file system"] * 4, r.output
             assert open(target).read() == "keep" and os.stat(target).st_mode & 0o777 != 0
         r = sb.run("import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/'],"
                    " capture_output=True).returncode != 0, open('/tmp/mine', 'w').write('ok'))")
@@ -1114,7 +1115,7 @@ def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, s
         model = Scripted(tiny.make_model(tok), [full], tok.eos_token_id)
         kw = {"stateful": True} if stateful else {}
         samples = ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300, **kw)
-        assert [s.ids for s in samples] == [full, full]
+        assert [s.text for s in samples] == [tok.decode(full[len(prompt):-1])] * 2
         assert [[b["output"] for b in s.blocks] for s in samples] == [["", out2]] * 2
 
 
@@ -1152,7 +1153,7 @@ def test_cli_prints_what_the_model_sees_with_and_without_output_cap(tmp_path):
     p = _cli("--max-output-chars", "0", str(f))
     assert (p.returncode, p.stdout) == (0, "x" * 3000 + "\n\n")
     p = _cli("--max-output-chars", "100", str(f))
-    assert p.stdout == "x" * 50 + "\n... [2901 characters of output cut] ...\n" + "x" * 49 + "\n\n"
+    assert p.stdout == "x" * 50 + "\n... [2901 bytes of output cut] ...\n" + "x" * 49 + "\n\n"
 
 
 @pytest.mark.timeout(60)
