@@ -1107,16 +1107,15 @@ def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, s
     tok = tokenizer
     prompt = ex.build_prompt_ids(tok, "Define x, then use it.")
     seg1 = enc(tok, "Plan.\n```python\nx = 20\n```")
-    seg2 = enc(tok, "```python\nprint(x + 1)\n```")
-    outputs = {True: "21\n", False: sb.run("print(x + 1)").output}
-    for stateful, out2 in outputs.items():
-        full = (prompt + seg1 + enc(tok, ex.output_block("")) + seg2 + enc(tok, ex.output_block(out2))
-                + enc(tok, "\\boxed{21}") + [tok.eos_token_id])
-        model = Scripted(tiny.make_model(tok), [full], tok.eos_token_id)
-        kw = {"stateful": True} if stateful else {}
-        samples = ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300, **kw)
-        assert [(s.pred, s.finish_reason) for s in samples] == [("21", "stop")] * 2
-        assert [[b["output"] for b in s.blocks] for s in samples] == [["", out2]] * 2
+    seg2 = enc(tok, "```python\nprint(x+1)\n```")
+    full = (prompt + seg1 + enc(tok, ex.output_block("")) + seg2 + enc(tok, ex.output_block("21\n"))
+            + enc(tok, "\\boxed{21}") + [tok.eos_token_id])
+    model = Scripted(tiny.make_model(tok), [full], tok.eos_token_id)
+    samples = ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300, stateful=True)
+    assert [[(b["output"], b["status"]) for b in s.blocks] for s in samples] == [[("", "ok"), ("21\n", "ok")]] * 2
+    assert [(s.pred, s.finish_reason) for s in samples] == [("21", "stop")] * 2
+    for s in ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300):  # stateless
+        assert s.blocks[1]["status"] == "error" and "NameError" in s.blocks[1]["output"]
 
 
 # -----------------------------------------------------------------------------
