@@ -13,13 +13,24 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 (`Sample`), turned into JSONL rows by the stages (`sample_record`).
 
     python executor.py block.py          # run a file through the sandbox, print what a model sees
+    python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
 
 Departures from the paper (it does not describe its executor):
-  1. Each block is a complete program run alone in a fresh process (no state carried
-     between blocks); the prompt tells the model so.
-  2. The sandbox guards against accidents (infinite loops, memory and fork bombs, huge
-     output, exit()), not against an adversary: blocks run as the caller's user. Run the
-     whole job in a container when the model is untrusted in that sense.
+  1. By default each block is a complete program run alone in a fresh process (no state
+     carried between blocks); the prompt tells the model so. `--stateful` (rollout's
+     `stateful=True`) instead replays the trajectory's earlier blocks before each block
+     (`Sandbox.run`), an ablation; the paper does not say which policy it used.
+  2. The sandbox guards against accidents, not against an adversary:
+     covered: infinite loops (timeout), memory bombs (address-space limit), fork bombs,
+       huge output (head + tail), stdin reads, exit() / os._exit / crashes, background
+       and detached processes, threads; as root (development, CI): writes, deletes and
+       device access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
+       read-only), anything left running after the block (a PID namespace per block).
+     not covered: the network; CPU and memory the block's child processes use together
+       (limits are per process); reading any file the caller can read; and when the
+       caller is not root (or namespaces are refused): writes and deletes of the
+       caller's own files, a detached process outliving the block, the shared /tmp and
+       /dev/shm. Run jobs with a model that may be adversarial in a container.
 """
 import argparse
 import atexit
