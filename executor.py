@@ -240,6 +240,8 @@ def _block_child(req_fd, sock_fd, out_w, contain):
     with contextlib.suppress(BaseException):  # (the timeout's KeyboardInterrupt while waiting)
         threading._shutdown()  # as at Python's exit: non-daemon threads finish, then atexit
         atexit._run_exitfuncs()
+    os.close(1)  # its output ends here: the caller need not wait for this process to exit
+    os.close(2)
     sock.send(json.dumps({"code": code, "error": error}).encode())
     os._exit(code)
 
@@ -273,8 +275,9 @@ def _replay(blocks, main):
         with contextlib.suppress(Exception, SystemExit):
             _execute(blocks, k, main, True)
     os._exit = real_exit
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
+    for fd, copy in ((1, saved[0]), (2, saved[1])):
+        os.dup2(copy, fd)
+        os.close(copy)
 
 
 def _print_traceback(e):
@@ -473,26 +476,28 @@ class Sandbox:
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
     def _watch(self, sock, out_r, n_prior):
-        """Read a running block's output until it has exited and every writer closed the
-        output (or 0.2 s after its exit, for writers that left its group when not
-        contained); stop it at its deadline or as a fork bomb.
+        """Read a running block's output until it has ended (its own report, or its exit)
+        and every writer closed the output (at most 0.2 s more: processes it left running
+        die with its namespace, or, not contained, with its group); stop it at its
+        deadline or as a fork bomb.
         Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
         info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf
         deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
         try:
-            while "exit" not in info or (out_open and time.monotonic() < drain_end):
+            while not ("exit" in info or "code" in info) or (out_open and time.monotonic() < drain_end):
                 now, pid, counting = time.monotonic(), info.get("pid"), self.contained and "started" in info
+                ended = "exit" in info or "code" in info
                 if counting and stop is None and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
                         if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
                             stop, deadline = "bomb", now
-                if now >= deadline and pid is not None and "exit" not in info:
+                if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
-                wake = drain_end if "exit" in info else min(deadline, count_at if counting and not stop else math.inf)
-                ready, _, _ = select.select([out_r] * out_open + [sock] * ("exit" not in info), [], [],
+                wake = drain_end if ended else min(deadline, count_at if counting and not stop else math.inf)
+                ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
                                             max(0.0, wake - time.monotonic()))
                 if out_r in ready:
                     data = os.read(out_r, 1 << 16)
@@ -507,9 +512,9 @@ class Sandbox:
                         deadline = time.monotonic() + self.timeout
                     if "pid" in msg:
                         self._running.add(msg["pid"])
-                    if "exit" in msg and not self.contained:  # what is left of its group goes too
+                    if ("exit" in msg or "code" in msg) and not self.contained:  # what is left of its group
                         _signal(pid, signal.SIGKILL)
-                    drain_end = time.monotonic() + 0.2 if "exit" in msg else drain_end
+                    drain_end = time.monotonic() + 0.2 if "exit" in msg or "code" in msg else drain_end
                     info.update(msg)
         finally:
             self._running.discard(info.get("pid"))
@@ -597,6 +602,13 @@ After each block the system runs it and shows what it printed in an ```output bl
 Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each block imports and defines what it needs.
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
+
+# --stateful (issue 18): the same prompt, with the sentence on blocks for the other policy
+SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(
+    "Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, "
+    "so each block imports and defines what it needs.",
+    "The blocks run one after another as one program: variables, imports and functions of earlier blocks "
+    "are still defined, and each output shows only what that block printed.")
 
 ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 
