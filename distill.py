@@ -102,9 +102,11 @@ def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
     ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
-def teacher_prompt_ids(tokenizer, problem: str, exemplars) -> list:
-    """The teacher's prompt: SYSTEM_PROMPT, the exemplars as prior turns, the problem."""
-    return ex.build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars])
+def teacher_prompt_ids(tokenizer, problem: str, exemplars, stateful: bool = False) -> list:
+    """The teacher's prompt: SYSTEM_PROMPT (its --stateful variant), the exemplars as prior
+    turns, the problem."""
+    return ex.build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
+                               system=ex.SYSTEM_PROMPT_STATEFUL if stateful else ex.SYSTEM_PROMPT)
 
 
 # -----------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def sibling(out: str, suffix: str) -> str:
 # arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
 # only continued with the same ones (batch size, seed and limit may change)
 RUN_ARGS = ("teacher", "exemplars", "dtype", "temperature", "top_p", "top_k", "max_context", "max_new_tokens",
-            "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished")
+            "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished", "stateful")
 
 
 def check_run_args(args, args_path: str) -> None:
@@ -219,6 +221,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tool-calls", type=int, default=40, help="executed blocks per sample")
     p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds, wall clock, per block")
     p.add_argument("--exec-workers", type=int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    p.add_argument("--stateful", action="store_true",
+                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # filter
     p.add_argument("--min-blocks", type=int, default=3, help="rule (iii): at least this many code blocks")
     p.add_argument("--max-plan-share", type=float, default=0.5,
@@ -281,11 +285,11 @@ def main(argv=None):
         for b in range(0, len(mine), args.batch_size):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
-            prompts = [teacher_prompt_ids(tokenizer, p["problem"], exemplars) for _, p in batch]
+            prompts = [teacher_prompt_ids(tokenizer, p["problem"], exemplars, args.stateful) for _, p in batch]
             samples = ex.rollout(model, tokenizer, prompts, sandbox, n=k, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                                  max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
-                                 seed=args.seed * 1_000_003 + batch[0][0])  # the batch's first problem
+                                 seed=args.seed * 1_000_003 + batch[0][0], stateful=args.stateful)
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
                     for i, (_, p) in enumerate(batch) for j in range(k) if (p["id"], j) not in done]

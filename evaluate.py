@@ -435,7 +435,7 @@ def merged_samples(out_dir: str) -> dict:
 
 # arguments that change what a sample is: a run folder is only resumed with the same ones
 SAMPLING_ARGS = ("model", "dtype", "temperature", "top_p", "top_k", "max_context",
-                 "max_new_tokens", "max_tool_calls", "seed", "exec_timeout")
+                 "max_new_tokens", "max_tool_calls", "seed", "exec_timeout", "stateful")
 
 
 def parse_args(argv=None):
@@ -473,6 +473,8 @@ def parse_args(argv=None):
     p.add_argument("--exec-workers", type=int, default=0,
                    help="code blocks run at once, per rank; 0 = CPUs / local ranks")
     p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
+    p.add_argument("--stateful", action="store_true",
+                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # no model
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
                    "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
@@ -644,14 +646,15 @@ def run(args) -> None:
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
                     t0 = time.time()
-                    prompts = [ex.build_prompt_ids(tok, q["problem"]) for q in w["problems"]]
+                    system = ex.SYSTEM_PROMPT_STATEFUL if args.stateful else ex.SYSTEM_PROMPT
+                    prompts = [ex.build_prompt_ids(tok, q["problem"], system=system) for q in w["problems"]]
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
                     samples = ex.rollout(
                         model, tok, prompts, sandbox, n=args.k, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
-                        seed=w["seed"], progress=rank == 0 and sys.stderr.isatty())
+                        seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(), stateful=args.stateful)
                     ids = [q["id"] for q in w["problems"]]
                     # samples[n] is work item n of the wave (problem-major); its seed is the call's
                     rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],

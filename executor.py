@@ -13,25 +13,39 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 (`Sample`), turned into JSONL rows by the stages (`sample_record`).
 
     python executor.py block.py          # run a file through the sandbox, print what a model sees
+    python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
 
 Departures from the paper (it does not describe its executor):
-  1. Each block is a complete program run alone in a fresh process (no state carried
-     between blocks); the prompt tells the model so.
-  2. The sandbox guards against accidents (infinite loops, memory and fork bombs, huge
-     output, exit()), not against an adversary: blocks run as the caller's user. Run the
-     whole job in a container when the model is untrusted in that sense.
+  1. By default each block is a complete program run alone in a fresh process (no state
+     carried between blocks); the prompt tells the model so. `--stateful` (rollout's
+     `stateful=True`) instead replays the trajectory's earlier blocks before each block
+     (`Sandbox.run`), an ablation; the paper does not say which policy it used.
+  2. The sandbox guards against accidents, not against an adversary:
+     covered: infinite loops (timeout), memory bombs (address-space limit), fork bombs,
+       huge output (head + tail), stdin reads, exit() / os._exit / crashes, background
+       and detached processes, threads; as root (development, CI): writes, deletes and
+       device access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
+       read-only), anything left running after the block (a PID namespace per block).
+     not covered: the network; CPU and memory the block's child processes use together
+       (limits are per process); reading any file the caller can read; and when the
+       caller is not root (or namespaces are refused): writes and deletes of the
+       caller's own files, a detached process outliving the block, the shared /tmp and
+       /dev/shm. Run jobs with a model that may be adversarial in a container.
 """
 import argparse
 import atexit
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
-import inspect
+import io
 import json
+import linecache
 import math
 import os
-import queue
+import random
 import re
+import resource
 import select
 import shutil
 import signal
@@ -41,15 +55,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
+import traceback
+import types
 from dataclasses import dataclass
 from fractions import Fraction
 
 # -----------------------------------------------------------------------------
-# Sandbox: a fork server of pre-imported workers
+# Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
-MAX_BLOCK_PROCS = 64  # processes one block may hold at once (see _read_block)
+MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
+_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
 class SandboxError(RuntimeError):
@@ -62,8 +79,8 @@ class ExecResult:
     """What one code block produced.
 
     output: stdout and stderr interleaved in write order, capped to head + tail with a
-        marker of how much was cut; ends with a status line for a timeout / kill / exit code.
-    status: 'ok' | 'error' (an exception or a non-zero exit) | 'timeout' | 'memory'
+        marker of how much was cut; ends with a status line for a timeout / kill / exit call.
+    status: 'ok' | 'error' (an exception or a non-zero exit code) | 'timeout' | 'memory'
         (MemoryError or the address-space limit) | 'killed' (a signal, e.g. a segfault).
     seconds: wall time of the block.
     """
@@ -76,309 +93,304 @@ class ExecResult:
         return self.status == "ok"
 
 
-_SANDBOX_FILE = "<thinc-sandbox>"  # the template's code runs under this file name
+def _libc(name, *args):
+    if getattr(_LIBC, name)(*args) != 0:
+        raise OSError(ctypes.get_errno(), f"{name}: {os.strerror(ctypes.get_errno())}")
 
 
-def _template_main(slot_fds, preimports):  # runs in the template process, stdlib only
-    """The fork server. It imports numpy, scipy and sympy once, then for each request on a
-    slot socket forks a child that runs one block. Requests carry the code, the limits, a
-    fresh working directory and (as SCM_RIGHTS) the write ends of the output and status
-    pipes. The template reaps every child (it is a child subreaper, so orphans of a block
-    come back to it) and reports each block's exit status on the slot it came from."""
-    import ctypes
-    import importlib
-    import json
-    import os
-    import resource
-    import select
-    import signal
-    import socket
+def _mount(src, target, fstype, flags, data=None):
+    _libc("mount", src, target, fstype, ctypes.c_ulong(flags), data)
 
-    os.chdir("/")
+
+def _template_main(ctrl_fd: int, preimports: list, contain: bool):
+    """The fork server, in the template process (started by Sandbox._start). It imports
+    numpy, scipy and sympy once, then forks one child per request on the control socket;
+    a request carries three fds: a memfd with the request's JSON, the block's socket (the
+    template sends the child's pid and wait status there) and the output pipe's write end.
+    With `contain`, every mount of the template's own mount namespace is made read-only
+    and nodev first, and each block gets a new PID namespace (see below)."""
     for name in preimports:
+        with contextlib.suppress(ImportError):  # a missing package fails inside the block
+            __import__(name)
+    ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
+    if contain:
         try:
-            importlib.import_module(name)
-        except Exception:  # a missing package surfaces as an ImportError inside the block
-            pass
-    try:  # PR_SET_CHILD_SUBREAPER: orphaned grandchildren are reparented here and reaped
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
-    except Exception:
-        pass
-    slots = [socket.socket(fileno=fd) for fd in slot_fds]
+            _libc("unshare", _NEWNS)
+            _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
+            for dev in devices:  # mounts of their own, so usable when every other mount is nodev
+                _mount(dev, dev, None, _BIND)
+            with open("/proc/self/mountinfo") as f:
+                targets = [line.split()[4].encode() for line in f]
+            for target in targets:  # nodev too: through a device file root could write a disk
+                _mount(None, target, None, _REMOUNT | _BIND | _RDONLY | (0 if target in devices else _NODEV))
+            pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        except OSError as e:
+            contain, why = False, f"cannot make the filesystem read-only for blocks: {e}"
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *a: None)
-    running = {}  # pid -> slot socket
-    slots[0].sendall(b'{"ready": true}\n')
-
-    def child(req, out_w, status_w):
-        os.setsid()  # own session and process group: killed as a group
-        for s in slots:
-            s.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        os.chdir(req["cwd"])
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(out_w, 2)
-        for fd in (devnull, out_w):
-            os.close(fd)
-        mem = req["memory_mb"] * 1024 * 1024
-        for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, req["cpu_s"]),
-                         (resource.RLIMIT_FSIZE, req["fsize_mb"] * 1024 * 1024),
-                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
-            try:
-                resource.setrlimit(lim, (val, val))
-            except (ValueError, OSError):
-                pass
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the timeout notice
-        os.environ["HOME"] = os.environ["MPLCONFIGDIR"] = req["cwd"]
-        os.set_inheritable(status_w, False)
-        _run_block(req["code"], status_w)
-
-    def _kill_strays():
-        # Orphans of blocks are reparented here (subreaper). One whose process group is not
-        # a running block's left its block's session (setsid, start_new_session=True) and
-        # so escaped the caller's killpg: kill its group now that a block has ended.
-        me = os.getpid()
-        try:
-            with open(f"/proc/{me}/task/{me}/children") as f:
-                kids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
-        groups = set()
-        for kid in kids:
-            try:
-                groups.add(os.getpgid(kid))
-            except OSError:
-                pass
-        for pgid in groups - set(running) - {me}:  # once per group: a bomb leaves thousands
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
-
-    def _run_block(code, status_w):
-        import io
-        import linecache
-        import sys
-        import traceback
-        # One buffered text stream for both stdout and stderr keeps their interleaving
-        # exact; it is flushed on every way out, os._exit included.
-        stream = io.TextIOWrapper(os.fdopen(1, "wb", buffering=1 << 16), encoding="utf-8",
-                                  errors="replace", line_buffering=False)
-        sys.stdout = sys.stderr = sys.__stdout__ = sys.__stderr__ = stream
-
-        class NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
-            def read(self, *a):
-                raise EOFError("no input is available: the block runs without stdin")
-            readline = read
-
-        sys.stdin = sys.__stdin__ = NoStdin()
-        real_exit, block_pid = os._exit, os.getpid()
-
-        def finish(kind, detail=""):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-            if os.getpid() == block_pid:  # processes the block forked say nothing
-                os.write(status_w, json.dumps({"kind": kind, "detail": detail}).encode())
-            real_exit(0)
-
-        os._exit = lambda n=0: finish("os_exit", str(n))
-        fname = "<code>"
-        linecache.cache[fname] = (len(code), None, code.splitlines(True), fname)
-        try:
-            compiled = compile(code, fname, "exec")
-            exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
-        except SystemExit as e:
-            code_ = e.code
-            finish("exit", "" if code_ is None else str(code_))
-        except BaseException as e:  # the block's own error: show its traceback, our frames cut
-            tb = e.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != fname:
-                tb = tb.tb_next
-            te = traceback.TracebackException(type(e), e, tb if not isinstance(e, SyntaxError) else None)
-            seen, todo = set(), [te]
-            while todo:  # drop the sandbox's own frames (e.g. NoStdin.read) from every link
-                t = todo.pop()
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                t.stack = traceback.StackSummary.from_list(
-                    [f for f in t.stack if f.filename != _SANDBOX_FILE])
-                todo += [t.__cause__, t.__context__]
-            try:
-                stream.write("".join(te.format()))
-            except Exception:  # the block closed its own stdout: the status line still tells
-                pass
-            kind = {"KeyboardInterrupt": "timeout", "MemoryError": "memory"}.get(type(e).__name__, "error")
-            finish(kind, type(e).__name__)
-        finish("ok")
-
+    signal.signal(signal.SIGCHLD, lambda *a: None)  # (only to wake the select below)
+    ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
+    running = {}  # pid of a block -> (its socket, write end of its namespace's init pipe)
     while True:
-        try:
-            ready, _, _ = select.select(slots + [wake_r], [], [])
-        except InterruptedError:
-            ready = []
-        for s in ready:
-            if s == wake_r:
-                os.read(wake_r, 4096)
-                continue
-            msg, fds, _, _ = socket.recv_fds(s, 1 << 20, 2)
-            if not msg:  # the caller closed its end: shut down
+        ready, _, _ = select.select([ctrl, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if ctrl in ready:
+            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3, socket.MSG_CMSG_CLOEXEC)
+            if not msg:  # the caller closed its end
                 return
-            req = json.loads(msg)
+            hold_w = None
+            if contain:
+                # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
+                # template holds: once the block is reaped (or the template dies) the pipe
+                # closes, cat exits and the kernel kills all that is left in the namespace.
+                # (The block is pid 2, not 1: pid 1 ignores signals it has no handler for.)
+                _libc("unshare", _NEWPID)
+                hold_r, hold_w = os.pipe()
+                os.posix_spawn("/bin/cat", ["cat"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
+                os.close(hold_r)
             pid = os.fork()
             if pid == 0:
-                real_exit = os._exit  # the block replaces os._exit with its reporting version
                 try:
-                    child(req, fds[0], fds[1])
+                    _block_child(*fds, contain)
+                except BaseException as e:  # the sandbox's own failure, not the block's
+                    os.write(fds[2], f"\0sandbox: {e!r}".encode())
                 finally:
-                    real_exit(70)
-            for fd in fds:
-                os.close(fd)
-            running[pid] = s
-            s.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        while True:  # reap every exited child, block processes and orphans alike
+                    os._exit(70)
+            if contain:
+                _libc("setns", pid_ns, _NEWPID)
+            os.close(fds[0])
+            os.close(fds[2])
+            running[pid] = socket.socket(fileno=fds[1]), hold_w
+            _send(running[pid][0], pid=pid)
+        while True:  # reap every exited child; report how each block ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            s = running.pop(pid, None)
-            if s is not None:
-                _kill_strays()
-                s.sendall(json.dumps({"exit": status, "pid": pid}).encode() + b"\n")
+            if pid in running:
+                sock, hold_w = running.pop(pid)
+                _send(sock, exit=status)
+                sock.close()
+                if hold_w is not None:
+                    os.close(hold_w)
 
 
-def _count_user_processes() -> int:
-    uid = os.getuid()
-    n = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                n += os.stat(f"/proc/{d}").st_uid == uid
-            except OSError:
-                pass
-    return n
+def _send(sock, **msg):
+    with contextlib.suppress(OSError):  # the caller gave up on this block
+        sock.send(json.dumps(msg).encode())
+
+
+def _block_child(req_fd, sock_fd, out_w, contain):
+    """The forked child: becomes the fresh program `python -u block.py` would be, runs
+    the block (after the earlier ones, in stateful mode) and exits as Python does. As a
+    contained block it has a private tmpfs /tmp (its directory) and /dev/shm, its
+    namespace's own /proc, and no capabilities (so it cannot remount anything)."""
+    os.setsid()  # its own process group
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
+    req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
+    if contain:
+        _libc("unshare", _NEWNS)
+        for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
+            _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
+        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
+        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
+        _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
+            _LIBC.prctl(24, cap, 0, 0, 0)
+        _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+    cwd = req["cwd"]
+    os.chdir(cwd)
+    for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
+                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
+                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(limit, (value, value))
+    os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+    os.dup2(out_w, 1)
+    os.dup2(out_w, 2)
+    os.dup2(sock_fd, 3, inheritable=False)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the template's and other blocks' fds
+    os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
+    sys.argv = ["<code>"]
+    sys.path.insert(0, cwd)
+    sys.stdin = sys.__stdin__ = _NoStdin()
+    sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                               errors="backslashreplace", write_through=True) for fd in (1, 2)]
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # unbuffered, as `python -u`
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    blocks, sock = req["prior"] + [req["code"]], socket.socket(fileno=3)
+    code, error = 0, None
+    try:
+        _replay(blocks, main)
+        sock.send(b'{"started": true}')
+        _execute(blocks, len(blocks) - 1, main, req["stateful"])
+    except SystemExit as e:
+        code, error = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256, "SystemExit"
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # (a timeout while replaying goes to /dev/null with its output)
+        code, error = 1, type(e).__name__
+        _print_traceback(e)
+    with contextlib.suppress(BaseException):  # (the timeout's KeyboardInterrupt while waiting)
+        threading._shutdown()  # as at Python's exit: non-daemon threads finish, then atexit
+        atexit._run_exitfuncs()
+    os.close(1)  # its output ends here: the caller need not wait for this process to exit
+    os.close(2)
+    sock.send(json.dumps({"code": code, "error": error}).encode())
+    os._exit(code)
+
+
+class _NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
+    def read(self, *a):
+        raise EOFError("no input is available: the block runs without stdin")
+    readline = read
+
+
+def _execute(blocks, k, main, stateful):
+    """Run blocks[k] in module `main`. Stateful: its random draws depend on blocks[:k + 1]."""
+    random.seed("\0".join(blocks[:k + 1]) if stateful else None)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(random.getrandbits(32))
+    if "sympy" in sys.modules:
+        sys.modules["sympy"].core.random.seed(random.getrandbits(64))
+    name = "<code>" if k == len(blocks) - 1 else f"<block {k + 1}>"
+    linecache.cache[name] = (len(blocks[k]), None, blocks[k].splitlines(True), name)
+    exec(compile(blocks[k], name, "exec"), main.__dict__)
+
+
+def _replay(blocks, main):
+    """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
+    an error or exit ends that block only, as in a persistent interpreter."""
+    saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
+    os.dup2(0, 1)
+    os.dup2(0, 2)
+    os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
+    for k in range(len(blocks) - 1):
+        with contextlib.suppress(Exception, SystemExit):
+            _execute(blocks, k, main, True)
+    os._exit = real_exit
+    for fd, copy in ((1, saved[0]), (2, saved[1])):
+        os.dup2(copy, fd)
+        os.close(copy)
+
+
+def _print_traceback(e):
+    """Python's traceback of e (and its chained exceptions) without the sandbox's frames."""
+    te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != __file__])
+            todo += [t.__cause__, t.__context__]
+    sys.stderr.write("".join(te.format()))
+
+
+class _TemplateDied(Exception):
+    pass
 
 
 class Sandbox:
-    """A pool of sandboxed Python workers: each code block runs alone in a fresh process.
+    """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
-    Every block is a complete program: nothing (variables, imports, files) carries over
-    from one block to the next. It runs in a process forked from a template that has
-    already imported numpy, scipy and sympy (milliseconds per block instead of the ~1 s a
-    fresh interpreter needs for sympy), in its own session / process group, with:
-    a wall-clock timeout (first a KeyboardInterrupt so the block's traceback shows where it
-    was, then SIGKILL to the whole group); rlimits on address space, CPU seconds, process
-    count (fork bombs fail fast) and file size; a fresh empty working directory removed
-    afterwards; stdin from /dev/null; a scrubbed environment (MPLBACKEND=Agg, no DISPLAY,
-    none of the caller's variables). Output (stdout + stderr in write order) is read with
-    bounded memory and returned as head + tail.
+    A block runs as `python -u block.py` would in a new process: as `__main__` (pickling,
+    multiprocessing with fork and `if __name__ == "__main__":` work), with fresh `random`,
+    `numpy.random` and sympy streams, unbuffered output (what was printed before a timeout,
+    kill or crash is returned; child processes interleave in write order), Python's exit
+    codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads and
+    atexit functions finish, within the time limit). Tracebacks show the block's frames.
+    It is forked from a template that has imported numpy, scipy and sympy. Why a fork
+    server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
+    costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
+    once) costs ~0.5-1 s of CPU per block for the imports, which at ~6 blocks a trajectory
+    competes with decoding for the same cores. What a fork shares (the random streams) is
+    reset; the string hash seed stays the template's.
+
+    Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
+    shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
+    seconds, file size and, when not root, processes; output read with bounded memory,
+    head + tail kept; no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg).
+    As root (`contained` is then True), a block has its own PID namespace (all it starts
+    dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork bomb)
+    and mount namespace: the filesystem read-only and nodev except a private tmpfs /tmp
+    (its working directory and TMPDIR) and /dev/shm; no capabilities. Otherwise it runs
+    as the caller, in its own process group and temporary directory.
 
     Args:
-        workers: blocks run at once (default: CPU count).
-        timeout: wall-clock seconds per block.
-        memory_mb: address-space limit per block, MiB.
-        max_output_chars: output cap, characters (head and tail halves kept).
-        max_file_mb: largest file a block may write, MiB.
+        workers: blocks run at once (default: the CPUs this process may use).
+        timeout: wall-clock seconds per block (> 0).
+        memory_mb: address-space limit per block, MiB; 0 = none.
+        max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
+        max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted.
+        ValueError: a limit out of range. SandboxError: the template cannot start, or died
+        and cannot be restarted.
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
 
-    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal",
-                  "numpy", "sympy", "scipy", "scipy.special", "scipy.optimize", "scipy.linalg",
-                  "scipy.integrate")
+    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal", "numpy", "sympy",
+                  "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
-        self.workers = workers or os.cpu_count() or 1
+        if not (0 < timeout < math.inf and memory_mb >= 0 and max_output_chars >= 0 and max_file_mb > 0):
+            raise ValueError("Sandbox: timeout, max_file_mb must be > 0; memory_mb, max_output_chars >= 0")
+        self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
-        self._lock = threading.Lock()
-        self._proc = None
-        self._closed = False
-        self._running = set()  # pids (= process groups) of the blocks running now
-        self._generation = 0
+        self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
+        self._proc, self._closed, self._running, self._generation = None, False, set(), 0
+        # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
+        self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
 
-    # -- template lifecycle -------------------------------------------------------
     def _start(self):
-        ours, theirs = zip(*(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                             for _ in range(self.workers)))
-        src = inspect.getsource(_template_main)
-        fds = [s.fileno() for s in theirs]
-        boot = (f"_SANDBOX_FILE = {_SANDBOX_FILE!r}\nexec(compile({src!r}, _SANDBOX_FILE, 'exec'))\n"
-                f"_template_main({fds!r}, {list(self.PREIMPORTS)!r})")
-        cmd = [self.python, "-I", "-c", boot]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        boot = (f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                f"import executor\nsys.path.pop(0)\n"
+                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
         try:
-            proc = subprocess.Popen(cmd, pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            self._proc = subprocess.Popen([self.python, "-I", "-c", boot], pass_fds=[theirs.fileno()], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
-            for s in ours + theirs:
-                s.close()
             raise SandboxError(f"sandbox cannot start {self.python!r}: {e}") from e
-        for s in theirs:
-            s.close()
-        ready, _, _ = select.select([ours[0]], [], [], 60)
-        hello = ours[0].recv(4096) if ready else b""
-        if b"ready" not in hello:
-            proc.kill()
-            err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.wait() is not None else ""
-            for s in ours:
-                s.close()
-            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err.strip()}")
-        proc.stderr.close()
-        # RLIMIT_NPROC counts every process of the user, so the limit is what is running
-        # now plus headroom for the blocks. The kernel never applies it to root in the
-        # initial user namespace: there _read_block counts the block's group instead.
-        self._nproc = _count_user_processes() + 64 * self.workers
-        self._proc = proc
-        self._slots = queue.Queue()
-        for s in ours:
-            self._slots.put(s)
+        finally:
+            theirs.close()
+        hello = ours.recv(4096) if select.select([ours], [], [], 60)[0] else b""
+        if not hello:
+            self._proc.kill()
+            err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
+            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
+        self._proc.stderr.close()
+        hello = json.loads(hello)
+        if hello["why"]:
+            print(f"executor.py: warning: blocks are not contained ({hello['why']})", file=sys.stderr)
+        self.contained, self._ctrl = hello["contained"], ours
         self._generation += 1
 
-    def _restart(self, generation):
-        with self._lock:
-            if self._closed:
-                raise SandboxError("sandbox was closed while a block ran")
-            if generation != self._generation:  # another thread already restarted it
-                return
-            self._stop()
-            self._start()
-
     def _stop(self):
-        if self._proc is None:
-            return
-        while not self._slots.empty():
-            self._slots.get_nowait().close()
-        for pid in list(self._running):  # blocks are in their own sessions: kill them too
-            _signal_group(pid, signal.SIGKILL)
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._proc.wait()
-        self._proc = None
+        if self._proc is not None:
+            self._ctrl.close()
+            for pid in list(self._running):
+                _signal(pid, signal.SIGKILL)
+            _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
+            self._proc.wait()
+            self._proc = None
 
     def close(self):
-        """Stop the template and every worker. Idempotent."""
+        """Stop the template and every block. Idempotent."""
         with self._lock:
             self._closed = True
             self._stop()
@@ -390,317 +402,192 @@ class Sandbox:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
-    # -- running blocks -----------------------------------------------------------
-    def run(self, code: str) -> ExecResult:
-        """Run one block (a complete program) and return what the model should see.
-        Thread-safe. A block longer than MAX_CODE_BYTES is not run and gets an error result.
-        Raises SandboxError if the sandbox itself fails twice in a row."""
+    def run(self, code: str, history: list | None = None) -> ExecResult:
+        """Run one block and return what the model should see. Thread-safe. A block longer
+        than MAX_CODE_BYTES is not run and gets an error result.
+
+        history: stateful mode (`--stateful`: an ablation; the paper does not say which
+        policy it used), the earlier blocks of the same trajectory as dicts with 'code' and
+        'status' (`Sample.blocks`; [] for the first block). The block then sees the
+        variables, functions and imports they defined. Mechanism: replay. The earlier
+        blocks that ended through Python (status 'ok' or 'error') run again first, in the
+        same fresh process, their output discarded: one that raised keeps what it did
+        before the error; one that timed out, hit the memory limit or was killed is not
+        part of the state. Each block seeds `random`, `numpy.random` and sympy from its
+        trajectory's code up to it, so a replay draws what the model saw (os.urandom, time
+        and the like differ). Files the earlier blocks wrote are written again in the fresh
+        directory; processes and threads they left running are started again. Cost: block
+        k re-runs blocks 1..k-1 (quadratic time in a trajectory); the replay may take
+        `timeout` seconds per replayed block, then the block has its own `timeout`. Nothing
+        is kept between calls, so state never leaks across trajectories, rows, problems
+        or ranks. Raises SandboxError if the sandbox itself fails twice in a row."""
         size = len(code.encode("utf-8", "replace"))
-        if size > MAX_CODE_BYTES:  # the request travels as one socket message
+        if size > MAX_CODE_BYTES:
             return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
                               f"{MAX_CODE_BYTES} bytes. Write shorter code.", status="error")
+        prior = [b["code"] for b in history or () if b["status"] in ("ok", "error")
+                 and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
             generation = self._generation
-            if self._closed or self._proc is None:
+            if self._closed:
                 raise SandboxError("sandbox is closed")
-            slot = self._slots.get()
             try:
-                return self._run_on_slot(slot, code)
-            except (OSError, _TemplateDied) as e:
-                if attempt == 1:
-                    raise SandboxError(f"sandbox template died: {e}") from e
-                self._restart(generation)
-            finally:
-                if generation == self._generation:
-                    self._slots.put(slot)
-                else:  # the template was restarted under us: this slot is dead
-                    slot.close()
+                with self._slots:
+                    return self._run(code, prior, stateful=history is not None)
+            except _TemplateDied as e:
+                with self._lock:
+                    if attempt == 1 or self._closed:
+                        raise SandboxError(f"sandbox template died: {e}") from e
+                    if generation == self._generation:  # (else another thread restarted it)
+                        self._stop()
+                        self._start()
 
     def run_many(self, codes: list[str]) -> list[ExecResult]:
         """Run blocks in parallel (up to `workers` at once); results in input order."""
-        if not codes:
-            return []
-        results = [None] * len(codes)
-        errors = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(codes)))) as pool:
+            return list(pool.map(self.run, codes))
 
-        def work(i):
-            try:
-                results[i] = self.run(codes[i])
-            except SandboxError as e:
-                errors.append(e)
-
-        threads = []
-        todo = queue.Queue()
-        for i in range(len(codes)):
-            todo.put(i)
-
-        def drain():
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                work(i)
-
-        for _ in range(min(self.workers, len(codes))):
-            threads.append(threading.Thread(target=drain, daemon=True))
-            threads[-1].start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def _run_on_slot(self, slot, code) -> ExecResult:
+    def _run(self, code, prior, stateful) -> ExecResult:
         t0 = time.monotonic()
-        cwd = tempfile.mkdtemp(prefix="thinc_block_")
+        cwd = "/tmp" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
-        st_r, st_w = os.pipe()
+        req = os.memfd_create("thinc_block")
+        os.write(req, json.dumps({
+            "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
+            "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
+            "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
         try:
-            req = {"code": code, "cwd": cwd, "memory_mb": self.memory_mb,
-                   "cpu_s": int(self.timeout) + 2, "fsize_mb": self.max_file_mb, "nproc": self._nproc}
-            socket.send_fds(slot, [json.dumps(req).encode()], [out_w, st_w])
-            os.close(out_w)
-            os.close(st_w)
-            out_w = st_w = None
-            pid = _recv_pid(slot, 10)
-            self._running.add(pid)
-            try:
-                capture, status_msg, exit_status, timed_out, too_many = _read_block(
-                    out_r, st_r, slot, pid, self.timeout, self.max_output_chars)
-            except _TemplateDied:  # the block is in its own session: it would outlive the template
-                _signal_group(pid, signal.SIGKILL)
-                raise
-            finally:
-                self._running.discard(pid)
+            socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+            for fd in (req, theirs.detach(), out_w):
+                os.close(fd)
+            info, output, stop = self._watch(ours, out_r, len(prior))
+        except OSError as e:  # the template is gone
+            raise _TemplateDied(str(e)) from e
         finally:
-            for fd in (out_r, out_w, st_r, st_w):
-                if fd is not None:
-                    os.close(fd)
-            shutil.rmtree(cwd, ignore_errors=True)
-        info = json.loads(status_msg) if status_msg else None
-        note, status = _describe(info, exit_status, timed_out, self.timeout, too_many,
-                                 silent=capture.total == 0)
-        return ExecResult(output=_join_output(capture, note, self.max_output_chars),
-                          status=status, seconds=time.monotonic() - t0)
+            ours.close()
+            os.close(out_r)
+            if not self.contained:
+                shutil.rmtree(cwd, ignore_errors=True)
+        status, note = _describe(info, stop, self.timeout)
+        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
+
+    def _watch(self, sock, out_r, n_prior):
+        """Read a running block's output until it has ended (its own report, or its exit)
+        and every writer closed the output (at most 0.2 s more: processes it left running
+        die with its namespace, or, not contained, with its group); stop it at its
+        deadline or as a fork bomb.
+        Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
+        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
+        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf
+        deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
+        try:
+            while not ("exit" in info or "code" in info) or (out_open and time.monotonic() < drain_end):
+                now, pid, counting = time.monotonic(), info.get("pid"), self.contained and "started" in info
+                ended = "exit" in info or "code" in info
+                if counting and stop is None and now >= count_at:  # root is exempt from RLIMIT_NPROC
+                    count_at = now + 0.1
+                    with contextlib.suppress(OSError):  # its namespace's /proc, through its root
+                        if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
+                            stop, deadline = "bomb", now
+                if now >= deadline and pid is not None and not ended:
+                    _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
+                    stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
+                wake = drain_end if ended else min(deadline, count_at if counting and not stop else math.inf)
+                ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
+                                            max(0.0, wake - time.monotonic()))
+                if out_r in ready:
+                    data = os.read(out_r, 1 << 16)
+                    output.add(data)
+                    out_open = bool(data)
+                if sock in ready:
+                    msg = sock.recv(4096)
+                    if not msg:
+                        raise _TemplateDied("the template stopped answering")
+                    msg = json.loads(msg)
+                    if "started" in msg and stop is None:  # its own time limit starts now
+                        deadline = time.monotonic() + self.timeout
+                    if "pid" in msg:
+                        self._running.add(msg["pid"])
+                    if ("exit" in msg or "code" in msg) and not self.contained:  # what is left of its group
+                        _signal(pid, signal.SIGKILL)
+                    drain_end = time.monotonic() + 0.2 if "exit" in msg or "code" in msg else drain_end
+                    info.update(msg)
+        finally:
+            self._running.discard(info.get("pid"))
+        if output.head.startswith(b"\0sandbox: "):
+            raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
+        return info, output, stop
 
 
-class _TemplateDied(Exception):
-    pass
+def _signal(pid, sig):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
 
 
-def _recv_pid(sock, timeout):
-    """The pid the template forked for our request. An exit report of this slot's previous
-    block may still be queued (the caller stops waiting for it once the block has said it
-    is done and closed its output): skip it."""
-    end = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([sock], [], [], max(0.0, end - time.monotonic()))
-        msg = sock.recv(4096) if ready else b""
-        if not msg:
-            raise _TemplateDied("no answer from the template")
-        msg = json.loads(msg)
-        if "exit" not in msg:
-            return msg["pid"]
-
-
-class _HeadTail:
-    """Keeps the first and last `half` bytes of a stream and counts what it drops."""
-
-    def __init__(self, half):
-        self.half, self.head, self.tail, self.total = half, bytearray(), deque(), 0
-        self.tail_len = 0
-
-    def add(self, data):
-        self.total += len(data)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail.append(data)
-            self.tail_len += len(data)
-            while self.tail_len - len(self.tail[0]) >= self.half:
-                self.tail_len -= len(self.tail.popleft())
-
-    @property
-    def cut(self):
-        return max(0, self.total - len(self.head) - min(self.tail_len, self.half))
-
-    def text(self):
-        tail = b"".join(self.tail)[-self.half:] if self.tail else b""
-        if self.cut:
-            return (self.head.decode("utf-8", "replace"), tail.decode("utf-8", "replace"))
-        return (self.head + tail).decode("utf-8", "replace")
-
-
-def _group_size(pgid, limit):
-    """Processes in process group pgid, counting stops past limit."""
+def _user_processes() -> int:
     n = 0
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                st = f.read()
-        except OSError:
-            continue
-        if int(st[st.rfind(b")") + 2:].split()[2]) == pgid:
-            n += 1
-            if n > limit:
-                break
+        with contextlib.suppress(OSError):
+            n += d.isdigit() and os.stat(f"/proc/{d}").st_uid == os.getuid()
     return n
 
 
-def _read_block(out_r, st_r, slot, pid, timeout, max_chars, max_procs=MAX_BLOCK_PROCS):
-    """Read a running block's output, with bounded memory, until it is done: it has written
-    its status line and every process closed the output pipe (the common case: no wait for
-    the exit to be reaped), or the template reports its exit, or the deadline passes.
-    Returns (capture, status line bytes, wait status or None, timed_out, too_many_procs)."""
-    capture = _HeadTail(max(64, max_chars))  # bytes; trimmed to characters later
-    deadline = time.monotonic() + timeout
-    exit_status, timed_out, interrupted, out_open = None, False, False, True
-    status_msg, st_open = b"", True
-    # Root (uid 0 of the init user namespace) is exempt from RLIMIT_NPROC whatever its
-    # capabilities, so there a fork bomb is stopped here: the block's group is counted
-    # every 0.1 s and killed when it holds more than max_procs processes.
-    count_every = 0.1 if os.geteuid() == 0 else None
-    next_count, too_many = time.monotonic() + (count_every or 0), False
-    while exit_status is None and not (status_msg and not out_open):
-        now = time.monotonic()
-        if count_every and not interrupted and now >= next_count:
-            next_count = now + count_every
-            if _group_size(pid, max_procs) > max_procs:
-                too_many = interrupted = True
-                _signal_group(pid, signal.SIGKILL)
-                deadline = now + 0.05
-        if now >= deadline:
-            if not interrupted:
-                # First a KeyboardInterrupt, so the traceback shows the line it was stuck on;
-                # a block that swallows it is killed after a short grace.
-                timed_out, interrupted = True, True
-                _signal_group(pid, signal.SIGINT)
-                deadline = now + 0.5
-            else:
-                # A fork bomb's processes forked while the kill was delivered escape it and
-                # keep the machine busy: kill the group again every 50 ms until it is gone.
-                _signal_group(pid, signal.SIGKILL)
-                deadline = now + 0.05
-        fds = ([out_r] if out_open else []) + ([st_r] if st_open else []) + [slot]
-        wake = deadline if interrupted or not count_every else min(deadline, next_count)
-        ready, _, _ = select.select(fds, [], [], max(0.0, wake - time.monotonic()))
-        if st_r in ready:  # one write of under PIPE_BUF bytes: it arrives whole
-            data = os.read(st_r, 4096)
-            status_msg += data
-            st_open = False
-        if out_r in ready:
-            data = os.read(out_r, 1 << 16)
-            if data:
-                capture.add(data)
-            else:
-                out_open = False
-        if slot in ready:
-            msg = slot.recv(4096)
-            if not msg:
-                raise _TemplateDied("template closed the slot")
-            msg = json.loads(msg)
-            if msg.get("pid") == pid:  # not a late report of the slot's previous block
-                exit_status = msg["exit"]
-    if exit_status is None:
-        # Done by its own account with every output closed: whatever it left in its
-        # group (a process that closed its output) is killed; the template reaps it later.
-        _signal_group(pid, signal.SIGKILL)
-        return capture, status_msg, None, timed_out, too_many
-    if st_open:  # a status line written just before the exit report came
-        os.set_blocking(st_r, False)
-        try:
-            status_msg += os.read(st_r, 4096)
-        except BlockingIOError:  # killed before it could say anything
-            pass
-    # The block's process is gone; whatever it started in its group goes too. Processes
-    # forked while a kill is delivered can escape one killpg, so repeat until the group is
-    # empty (the template, as subreaper, reaps them).
-    for _ in range(200):
-        _signal_group(pid, signal.SIGKILL)
-        try:
-            os.killpg(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.005)
-    os.set_blocking(out_r, False)
-    end = time.monotonic() + 0.2  # drain what is buffered (escaped writers may hold it open)
-    while time.monotonic() < end:
-        ready, _, _ = select.select([out_r], [], [], end - time.monotonic())
-        if not ready:
-            break
-        try:
-            data = os.read(out_r, 1 << 16)
-        except BlockingIOError:
-            continue
-        if not data:
-            break
-        capture.add(data)
-    return capture, status_msg, exit_status, timed_out, too_many
+class _HeadTail:
+    """The first and last `half` bytes of a stream, in bounded memory, and its length."""
+
+    def __init__(self, half):
+        self.half, self.head, self.tail, self.total = half, bytearray(), bytearray(), 0
+
+    def add(self, data):
+        self.total += len(data)
+        room = max(0, self.half - len(self.head))
+        self.head += data[:room]
+        self.tail += data[room:]
+        if len(self.tail) > 2 * self.half:
+            del self.tail[:-self.half]
 
 
-def _signal_group(pid, sig):
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _describe(info, stop, timeout):
+    """(status, note): how the block ended, and a last line that says so in words a model
+    can act on ('' for a normal end). info: its messages (exit: its wait status; code and
+    error: its Python exit code and exception name, when it ended through Python)."""
+    if stop == "bomb":
+        return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
+    if stop == "timeout":
+        return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
+    if "code" in info and info["error"] == "MemoryError":
+        return "memory", "(The block hit its memory limit.)"
+    if "code" in info:
+        note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
+        return ("ok" if info["code"] == 0 else "error"), note
+    sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
+    if sig == signal.SIGKILL:
+        return "memory", "Process killed by SIGKILL (possibly out of memory)."
+    if sig == signal.SIGXCPU:
+        return "timeout", "Process killed: CPU time limit exceeded."
+    if sig:
+        name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
+        return "killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."
+    code = os.WEXITSTATUS(info["exit"])
+    return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
 
 
-def _describe(info, exit_status, timed_out, timeout, too_many=False, silent=False):
-    """The status of a finished block and a last line that says, in words a model can act
-    on, why it stopped (empty for a normal finish). `silent`: the block printed nothing.
-    Returns (note, status)."""
-    kind = info["kind"] if info else None
-    if too_many:
-        return (f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes "
-                "(a fork bomb?).", "killed")
-    if timed_out:
-        return f"TimeoutError: the block ran longer than {timeout:g} s and was stopped.", "timeout"
-    if kind == "ok":
-        return "", "ok"
-    if kind in ("error", "timeout"):  # its traceback is in the output, unless it closed stdout
-        return (f"[the block raised {info['detail']}]" if silent else ""), "error"
-    if kind == "memory":
-        return "(The block hit its memory limit.)", "memory"
-    if kind in ("exit", "os_exit"):
-        code = 0 if info["detail"] in ("", "0", "None") else info["detail"]
-        fn = "os._exit" if kind == "os_exit" else "sys.exit"
-        return f"[{fn}({code}) called: the program stopped here]", "ok" if code == 0 else "error"
-    # No status line from the block: the process died without running our exit path.
-    if exit_status is not None and os.WIFSIGNALED(exit_status):
-        sig = os.WTERMSIG(exit_status)
-        name = signal.Signals(sig).name if sig in {s.value for s in signal.Signals} else str(sig)
-        if sig == signal.SIGKILL:
-            return "Process killed by SIGKILL (possibly out of memory).", "memory"
-        if sig == signal.SIGXCPU:
-            return "Process killed: CPU time limit exceeded.", "timeout"
-        return f"Process killed by signal {name} ({signal.strsignal(sig)}).", "killed"
-    code = os.WEXITSTATUS(exit_status) if exit_status is not None else "unknown"
-    return f"Process exited abruptly with code {code}.", "error"
-
-
-def _join_output(capture, note, max_chars):
-    """The block's output capped at max_chars (head + a marker of what was cut + tail),
-    then the status note."""
+def _join_output(output, note, max_chars):
+    """The block's output capped at max_chars (0 = no cap): head + a marker of what was
+    cut + tail, then the status note."""
     half = max_chars // 2
-    text = capture.text()
-    if isinstance(text, tuple):  # cut while reading: sizes are in bytes
-        head, tail = text[0][:half], text[1][-half:]
-        cut = capture.total - len(head.encode()) - len(tail.encode())
-        body = f"{head}\n... [{cut} bytes of output cut] ...\n{tail}"
-    elif len(text) > max_chars:
-        body = f"{text[:half]}\n... [{len(text) - 2 * half} characters of output cut] ...\n{text[-half:]}"
+    if output.total > len(output.head) + len(output.tail):  # cut while reading: in bytes
+        head = output.head.decode("utf-8", "replace")[:half]
+        tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace")[-half:]
+        body = f"{head}\n... [{output.total - len(head.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
     else:
-        body = text
+        body = (output.head + output.tail).decode("utf-8", "replace")
+        if max_chars and len(body) > max_chars:
+            body = f"{body[:half]}\n... [{len(body) - 2 * half} characters of output cut] ...\n{body[-half:]}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -715,6 +602,13 @@ After each block the system runs it and shows what it printed in an ```output bl
 Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each block imports and defines what it needs.
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
+
+# --stateful (issue 18): the same prompt, with the sentence on blocks for the other policy
+SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(
+    "Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, "
+    "so each block imports and defines what it needs.",
+    "The blocks run one after another as one program: variables, imports and functions of earlier blocks "
+    "are still defined, and each output shows only what that block printed.")
 
 ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 
@@ -1159,7 +1053,8 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed: int = 0, progress: bool = False, stats: dict | None = None) -> list:
+            max_tool_calls: int = 20, seed: int = 0, progress: bool = False, stats: dict | None = None,
+            stateful: bool = False) -> list:
     """Sample THINC trajectories: decode, run each closed ```python block, append its
     ```output block, continue from the KV cache, until EOS or a budget.
 
@@ -1185,6 +1080,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             blocks (up to the floating-point effects of which rows share a forward).
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
+        stateful: each block sees what the earlier blocks of its own trajectory defined
+            (`Sandbox.run`'s history; `sandbox.run` is then called with `history=`).
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
@@ -1257,7 +1154,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_calls,
                                   tokenizer, finish)
                     if r.code is not None:
-                        r.running = pool.submit(sandbox.run, r.code)
+                        history = {"history": list(r.blocks)} if stateful else {}
+                        r.running = pool.submit(sandbox.run, r.code, **history)
             # 3) finished rows leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             if len(keep) < len(live):
@@ -1837,21 +1735,48 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     return _GRADER.verify(gold, pred, timeout)
 
 
+def _number(kind, low, strict=False):
+    """An argparse type: a finite `kind` >= low (> low if strict)."""
+    def parse(text):
+        value = kind(text)
+        if not (math.isfinite(value) and (value > low or value == low and not strict)):
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if strict else '>='} {low}, not {text}")
+        return value
+    return parse
+
+
 def main():
-    p = argparse.ArgumentParser(description="Run a Python file through the THINC sandbox and "
-                                "print what the model would see.")
-    p.add_argument("file", help="Python file, run as one block")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds, wall clock")
-    p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit, MiB")
-    p.add_argument("--max-output-chars", type=int, default=2000, help="output cap, characters")
+    p = argparse.ArgumentParser(description="Run Python files through the THINC sandbox and print "
+                                "what the model would see after each.")
+    p.add_argument("files", nargs="+", help="Python files, each run as one block")
+    p.add_argument("--stateful", action="store_true",
+                   help="run the files as the successive blocks of one trajectory (see Sandbox.run)")
+    p.add_argument("--timeout", type=_number(float, 0, strict=True), default=10.0, help="seconds a block, wall clock")
+    p.add_argument("--memory-mb", type=_number(int, 0), default=4096, help="address-space limit, MiB; 0 = none")
+    p.add_argument("--max-output-chars", type=_number(int, 0), default=2000, help="output cap, characters; 0 = none")
     args = p.parse_args()
-    with open(args.file) as f:
-        code = f.read()
+    codes = []
+    for path in args.files:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            codes.append(data.decode("utf-8"))
+        except OSError as e:
+            p.error(f"{path}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            p.error(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})")
+        if "\0" in codes[-1]:
+            p.error(f"{path}: a binary file (NUL bytes), not Python source")
+    history = []
     with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
                  max_output_chars=args.max_output_chars) as sb:
-        r = sb.run(code)
-    print(r.output)
-    print(f"[status: {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
+        for path, code in zip(args.files, codes):
+            r = sb.run(code, history=list(history) if args.stateful else None)
+            history.append({"code": code, "output": r.output, "status": r.status})
+            if len(args.files) > 1:
+                print(f"# {path}")
+            print(r.output)
+            print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ def parse_args(argv=None):
                    help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
     p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--exec-workers", type=int, default=0, help="sandbox processes per rank; 0 = CPUs / local ranks")
+    p.add_argument("--stateful", action="store_true",
+                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # optimisation
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate, constant")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
@@ -150,7 +152,8 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
     --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
     stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
     stats = {}
-    prompts = [executor.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
+    prompts = [executor.build_prompt_ids(tokenizer, p["problem"], system=system) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     wave = args.rollout_prompts or max(1, len(prompts))
     G = args.group_size
@@ -161,7 +164,8 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
         idx = order[w:w + wave]
         got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
                          top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats)
+                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats,
+                         stateful=args.stateful)
         for k, i in enumerate(idx):
             out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
     policy.train(was_training)

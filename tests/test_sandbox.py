@@ -1,27 +1,39 @@
-"""The sandbox (executor.Sandbox): every S row of cases.md, plain correctness, and 1,000
-blocks in parallel. Every test has a hard outer timeout so a broken sandbox cannot hang CI.
+"""The sandbox (executor.Sandbox): the S faults of tests/faults.md, plain correctness, a
+block as a fresh Python program (issue 13), containment of files, threads, detached
+processes and temp space (issue 21), stateful mode (issue 18), the CLI (issue 22), and
+1,000 blocks in parallel. Every test has a hard outer timeout so a broken sandbox cannot
+hang CI.
 
-Processes are checked through /proc: a block's processes are children of the template (it
-is a child subreaper), so "nothing left" means the template has no descendants, alive or
-zombie. Temporary directories are checked in a private tempfile.tempdir set for this module,
-so other test runs on the machine cannot disturb the count.
+Processes are checked through /proc: every process of a block descends from the template
+(as root through the `cat` init of the block's PID namespace), so "nothing left" means the
+template has no descendants, alive or zombie. Without containment (not root), temporary
+directories are made in a private tempfile.tempdir set for this module, so other test runs
+on the machine cannot disturb the count.
 """
 import glob
 import importlib.util
+import json
 import os
 import random
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 
+import executor as ex
 from executor import ExecResult, Sandbox, SandboxError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 TIMEOUT = 3.0  # the shared sandbox's timeout, seconds
-SANDBOX_FRAMES = ("executor", "_template_main", "_run_block", "NoStdin")
+SANDBOX_FRAMES = ("executor", "_template_main", "<thinc-sandbox>", "NoStdin")
 CUT = re.compile(r"\.\.\. \[(\d+) (bytes|characters) of output cut\] \.\.\.")
 
 
@@ -381,12 +393,14 @@ def test_s2_background_subprocess_in_new_session_killed(sb):
 
 @pytest.mark.timeout(30)
 def test_s2_three_forks_then_sleep(sb_quick):
+    # (one os.write a line: unbuffered print() writes its pieces one by one, as `python -u`)
     r = sb_quick.run("import os, time\nfor _ in range(3):\n    os.fork()\n"
-                     "print('pid', os.getpid(), flush=True)\ntime.sleep(300)\n")
+                     "os.write(1, f'pid {os.getpid()}\\n'.encode())\ntime.sleep(300)\n")
     assert r.status == "timeout"
     pids = [int(p) for p in re.findall(r"pid (\d+)", r.output)]
     assert len(set(pids)) == 8, r.output
-    assert _alive_block_processes(pids) == []
+    if not sb_quick.contained:  # (contained, these are pids of the block's own namespace)
+        assert _alive_block_processes(pids) == []
     _assert_clean(sb_quick)
     assert sb_quick.run("print(1+1)").output == "2\n"
 
@@ -394,11 +408,12 @@ def test_s2_three_forks_then_sleep(sb_quick):
 @pytest.mark.timeout(30)
 def test_s2_forked_children_outliving_the_block_are_killed(sb):
     r = sb.run("import os, time\np0 = os.getpid()\nfor _ in range(3):\n    os.fork()\n"
-               "print('pid', os.getpid(), flush=True)\nif os.getpid() != p0:\n    time.sleep(300)\n")
+               "os.write(1, f'pid {os.getpid()}\\n'.encode())\nif os.getpid() != p0:\n    time.sleep(300)\n")
     assert r.ok, r.output
     pids = [int(p) for p in re.findall(r"pid (\d+)", r.output)]
     assert pids
-    assert _alive_block_processes(pids) == []
+    if not sb.contained:
+        assert _alive_block_processes(pids) == []
     _assert_clean(sb)
 
 
@@ -482,7 +497,9 @@ def _cut_amount(output):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("code,head,tail,total", [
     ('print("x" * 10**8)', "x" * 900, "x" * 900 + "\n", 10**8 + 1),
-    ("for i in range(10**7):\n    print(i)", "0\n1\n2\n3\n", "9999998\n9999999\n",
+    # (in ten writes: output is unbuffered as in `python -u`, 10**7 prints would be 2 * 10**7 syscalls)
+    ("import sys\nfor k in range(10):\n    sys.stdout.write(''.join(f'{i}\\n' for i in range(k * 10**6, (k + 1) * 10**6)))",
+     "0\n1\n2\n3\n", "9999998\n9999999\n",
      sum(len(str(i)) + 1 for i in range(10**7))),
     ('print("A" * 10**6); print("FINAL=42")', "A" * 900, "A" * 900 + "\nFINAL=42\n", 10**6 + 10),
 ], ids=["one-huge-line", "ten-million-lines", "final-after-big"])
@@ -647,7 +664,7 @@ def test_close_leaves_nothing_running_even_mid_block(tmpdir_for_blocks):
         deadline = time.monotonic() + 10
         while len(blocks) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-            blocks = [p for p, s, _ in _descendants(template) if s != "Z"]
+            blocks = _alive_block_processes([p for p, _, _ in _descendants(template)])
         assert len(blocks) == 2
         box.close()
         assert _state(template) is None
@@ -697,14 +714,17 @@ def test_s8_each_run_in_a_fresh_directory(tmpdir_for_blocks):
         assert r.status == k, (i, r.output)
         assert f"before []\nafter ['f.txt'] {i}\n" in r.output, (i, r.output)
         cwd = re.search(r"cwd (\S+)", r.output).group(1)
+        cwds.append(cwd)
+        if fast.contained:  # its own tmpfs at /tmp, gone with its mount namespace
+            assert cwd == "/tmp"
+            continue
         assert os.path.dirname(cwd) == tmpdir_for_blocks
         assert not os.path.exists(cwd), "a block's directory was left behind"
-        cwds.append(cwd)
         if k == "error":
             assert f"RuntimeError: boom {i}" in r.output
         if k == "timeout":
             assert "TimeoutError" in r.output
-    assert len(set(cwds)) == 200
+    assert len(set(cwds)) == (1 if fast.contained else 200)
     assert os.getcwd() == caller_cwd
     assert glob.glob(os.path.join(tmpdir_for_blocks, "thinc_block_*")) == []
 
@@ -814,3 +834,334 @@ def test_block_that_closes_its_stdout_is_reported_plainly(sb):
     r = sb.run("import sys\nsys.stdout.close()\nprint('x')")
     assert r.status == "error"
     assert "os._exit" not in r.output
+
+
+# -----------------------------------------------------------------------------
+# A block is a fresh Python program (issue 13, item 1)
+
+@pytest.mark.timeout(30)
+def test_random_streams_differ_from_block_to_block(sb):
+    code = ("import random, numpy as np, sympy\n"
+            "print(random.random(), np.random.rand(), sympy.randprime(10**20, 10**21))")
+    outs = [r.output for r in sb.run_many([code] * 6)]
+    assert all(r.count(" ") == 2 for r in outs), outs
+    for column in range(3):  # each stream on its own: 6 different draws
+        assert len({o.split()[column] for o in outs}) == 6, outs
+    seeded = sb.run_many(["import numpy as np\nnp.random.seed(7)\nprint(np.random.rand())"] * 2)
+    assert seeded[0].output == seeded[1].output == f"{np.random.RandomState(7).rand()}\n"
+
+
+@pytest.mark.timeout(30)
+def test_block_is_main_for_pickle_and_multiprocessing(sb):
+    r = sb.run("import multiprocessing as mp, pickle\n"
+               "def square(x):\n    return x * x\n"
+               "class Point:\n    def __init__(self, x):\n        self.x = x\n"
+               "assert pickle.loads(pickle.dumps(Point(3))).x == 3\n"
+               "assert pickle.loads(pickle.dumps(square))(4) == 16\n"
+               "if __name__ == '__main__':\n"
+               "    with mp.get_context('fork').Pool(2) as pool:\n"
+               "        print(pool.map(square, range(6)))\n")
+    assert (r.status, r.output) == ("ok", "[0, 1, 4, 9, 16, 25]\n"), r.output
+
+
+@pytest.mark.timeout(30)
+def test_output_before_a_swallowed_timeout_is_kept(sb_quick):
+    r = sb_quick.run("print('before the loop')\nimport time\nwhile True:\n    try:\n"
+                     "        time.sleep(10)\n    except KeyboardInterrupt:\n        pass\n")
+    assert r.status == "timeout"
+    assert r.output.startswith("before the loop\n") and "TimeoutError" in r.output, r.output
+
+
+@pytest.mark.timeout(30)
+def test_output_before_a_segfault_is_kept(sb):
+    r = sb.run("print('before the crash')\nimport ctypes\nctypes.string_at(0)\n")
+    assert r.status == "killed"
+    assert r.output.startswith("before the crash\n") and "SIGSEGV" in r.output, r.output
+
+
+@pytest.mark.timeout(30)
+def test_child_process_output_interleaved_in_write_order(sb):
+    r = sb.run("import os, subprocess, sys\nprint('a')\nsubprocess.run(['echo', 'b'])\nprint('c')\n"
+               "os.system('echo d >&2')\nprint('e', file=sys.stderr)\nsubprocess.run([sys.executable, '-c', 'print(6)'])\n")
+    assert (r.status, r.output) == ("ok", "a\nb\nc\nd\ne\n6\n"), r.output
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("code,status,output", [
+    ("import sys\nsys.exit(False)", "ok", "[sys.exit(0) called: the program stopped here]"),
+    ("import sys\nsys.exit(None)", "ok", "[sys.exit(0) called: the program stopped here]"),
+    ("import sys\nsys.exit(1)", "error", "[sys.exit(1) called: the program stopped here]"),
+    ("import sys\nsys.exit('no solution')", "error", "no solution\n[sys.exit(1) called: the program stopped here]"),
+    ("import sys\nsys.exit(True)", "error", "[sys.exit(1) called: the program stopped here]"),
+], ids=["False", "None", "1", "message", "True"])
+def test_exit_codes_mean_what_python_means(sb, code, status, output):
+    r = sb.run(code)
+    assert (r.status, r.output) == (status, output)
+
+
+@pytest.mark.timeout(30)
+def test_signals_a_block_sends_itself_act_as_in_python(sb):
+    r = sb.run("import os, signal\nprint('up')\nos.kill(os.getpid(), signal.SIGTERM)\nprint('not reached')")
+    assert (r.status, r.output) == ("killed", "up\nProcess killed by signal SIGTERM (Terminated).")
+
+
+# -----------------------------------------------------------------------------
+# Containment of files as root (issue 13, item 2)
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(os.geteuid() != 0, reason="containment is for a root caller (CI runs as root)")
+def test_root_block_cannot_delete_or_change_files_outside_its_directory(sb):
+    assert sb.contained
+    fd, in_tmp = tempfile.mkstemp(dir="/tmp", prefix="thinc_sentinel_")  # the system temp directory
+    os.write(fd, b"keep")
+    os.close(fd)
+    run_dir = tempfile.mkdtemp(dir=ROOT, prefix=".thinc_run_")  # visible to the block, unlike /tmp
+    in_run = os.path.join(run_dir, "args.json")
+    with open(in_run, "w") as f:
+        f.write("keep")
+    try:
+        for target in (in_tmp, in_run):
+            r = sb.run(f"import os, shutil, tempfile\np = {target!r}\n"
+                       "shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)\n"
+                       "shutil.rmtree(os.path.dirname(p), ignore_errors=True)\n"
+                       "for act in (lambda: os.remove(p), lambda: open(p, 'w').write('gone'),\n"
+                       "            lambda: os.chmod(p, 0), lambda: os.rename(p, p + '.x')):\n"
+                       "    try:\n        act()\n    except OSError as e:\n        print(e.strerror)\n")
+            if target == in_run:  # (/tmp is the block's own tmpfs: there it sees no sentinel at all)
+                assert r.output.splitlines() == ["Read-only file system"] * 4, r.output
+            assert open(target).read() == "keep" and os.stat(target).st_mode & 0o777 != 0
+        r = sb.run("import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/'],"
+                   " capture_output=True).returncode != 0, open('/tmp/mine', 'w').write('ok'))")
+        assert r.output == "True 2\n", r.output  # no remounting; its own /tmp is writable
+    finally:
+        os.remove(in_tmp)
+        shutil.rmtree(run_dir)
+
+
+# -----------------------------------------------------------------------------
+# Threads, detached processes, temp space, CPU affinity (issue 21, items 1-4)
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("code,output", [
+    ("import threading, time\ndef work():\n    time.sleep(0.3)\n    print('work done')\n"
+     "threading.Thread(target=work).start()\nprint('main done')\n", "main done\nwork done\n"),
+    ("import sys, threading\ndef main():\n    print(sum(range(10)))\n"
+     "sys.setrecursionlimit(10**6)\nthreading.stack_size(2**26)\nthreading.Thread(target=main).start()\n", "45\n"),
+    ("import atexit\natexit.register(print, 'at exit')\nprint('body')\n", "body\nat exit\n"),
+], ids=["non-daemon-thread", "main-in-big-stack-thread", "atexit"])
+def test_block_ends_like_python_shutdown(sb, code, output):
+    r = sb.run(code)
+    assert (r.status, r.output) == ("ok", output)
+
+
+@pytest.mark.timeout(30)
+def test_thread_that_never_ends_times_out_with_its_output(sb_quick):
+    r = sb_quick.run("import threading, time\ndef spin():\n    print('spinning', flush=True)\n"
+                     "    while True:\n        time.sleep(0.01)\nthreading.Thread(target=spin).start()\n")
+    assert r.status == "timeout" and r.output.startswith("spinning\n"), r.output
+    _assert_clean(sb_quick)
+
+
+@pytest.mark.timeout(30)
+def test_twice_detached_grandchild_does_not_outlive_the_block(tmpdir_for_blocks):
+    m = _marker()
+    try:
+        with Sandbox(workers=1, timeout=3) as box:
+            r = box.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                        f"        os.setsid()\n        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\n"
+                        "time.sleep(0.3)\nprint('parent done')\n")
+            assert (r.status, r.output) == ("ok", "parent done\n")
+            if box.contained:
+                assert _pids_with_cmdline(m) == []  # gone with the block, not only with close()
+        assert _pids_with_cmdline(m) == [] or not box.contained
+    finally:
+        for p in _pids_with_cmdline(m):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+def test_each_block_has_its_own_temp_space_and_shm(sb):
+    name = f"thinc_shm_{random.randrange(10**9)}"
+    r = sb.run("import os, tempfile\nfrom multiprocessing import shared_memory, resource_tracker\n"
+               "with tempfile.NamedTemporaryFile(delete=False) as f:\n    f.write(b'secret')\n"
+               f"shm = shared_memory.SharedMemory(name={name!r}, create=True, size=50 * 2**20)\n"
+               "resource_tracker.unregister(shm._name, 'shared_memory')  # left behind on purpose\n"
+               "print(f.name)\nprint(tempfile.gettempdir() == os.getcwd())\n")
+    assert r.ok, r.output
+    leftover, same = r.output.split()
+    assert same == "True"
+    r2 = sb.run(f"import os\nprint(os.path.exists({leftover!r}), os.path.exists('/dev/shm/{name}'))")
+    assert r2.output == "False False\n"
+    assert not os.path.exists(leftover) and not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.timeout(60)
+def test_worker_count_follows_cpu_affinity(tmpdir_for_blocks):
+    code = ("import os, executor\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "with executor.Sandbox(timeout=3) as sb:\n    print(sb.workers)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert p.stdout == "1\n", p.stderr
+
+
+# -----------------------------------------------------------------------------
+# Stateful mode (issue 18): earlier blocks of the same trajectory are replayed
+
+def _trajectory(sandbox, codes):
+    """Run codes as the successive blocks of one stateful trajectory -> their results."""
+    history, results = [], []
+    for code in codes:
+        r = sandbox.run(code, history=list(history))
+        history.append({"code": code, "output": r.output, "status": r.status})
+        results.append(r)
+    return results
+
+
+@pytest.mark.timeout(30)
+def test_stateful_variables_functions_imports_carry_over_without_repeated_output(sb):
+    rs = _trajectory(sb, ["import math\nx = 41\ndef f(y):\n    return y + 1\nprint('one')",
+                          "print(f(x), math.isqrt(17))", "print('three')"])
+    assert [(r.status, r.output) for r in rs] == [("ok", "one\n"), ("ok", "42 4\n"), ("ok", "three\n")]
+
+
+@pytest.mark.timeout(30)
+def test_stateful_failed_block_keeps_what_it_did_before_the_error(sb):
+    rs = _trajectory(sb, ["a = 1\nraise ValueError('boom')\nb = 2", "import sys\nsys.exit(0)\nc = 3",
+                          "print(a, 'b' in dir(), 'c' in dir())"])
+    assert [r.status for r in rs] == ["error", "ok", "ok"]
+    assert rs[2].output == "1 False False\n"
+
+
+@pytest.mark.timeout(30)
+def test_stateful_timed_out_block_is_not_part_of_the_state(sb_quick):
+    rs = _trajectory(sb_quick, ["x = 1", "x = 2\nwhile True:\n    pass", "print(x)"])
+    assert [r.status for r in rs] == ["ok", "timeout", "ok"]
+    assert rs[2].output == "1\n"
+
+
+@pytest.mark.timeout(30)
+def test_stateful_trajectories_never_see_each_other(sb):
+    a, b = [], []
+    for code_a, code_b in [("x = 'A'", "x = 'B'"), ("y = x * 2", "z = x * 3")]:
+        for h, code in ((a, code_a), (b, code_b)):
+            h.append({"code": code, "status": sb.run(code, history=list(h)).status})
+    ra, rb = sb.run("print(x, y, 'z' in dir())", history=a), sb.run("print(x, z, 'y' in dir())", history=b)
+    assert (ra.output, rb.output) == ("A AA False\n", "B BBB False\n")
+    assert "NameError" in sb.run("print(x)", history=[]).output
+
+
+@pytest.mark.timeout(30)
+def test_stateful_replay_draws_the_same_random_numbers(sb):
+    rs = _trajectory(sb, ["import random, numpy as np\nx = np.random.rand()\nu = random.random()\nprint(x, u)",
+                          "print(x, u)", "print(np.random.rand())"])
+    assert rs[1].output == rs[0].output
+    assert rs[2].output != rs[0].output.split()[0] + "\n"
+
+
+@pytest.mark.timeout(30)
+def test_stateful_replay_time_is_not_the_blocks_time(sb_quick):
+    rs = _trajectory(sb_quick, ["import time\ntime.sleep(0.6)", "import time\ntime.sleep(0.6)\nprint('in time')"])
+    assert [(r.status, r.output) for r in rs] == [("ok", ""), ("ok", "in time\n")]  # 1.2 s > the 1 s limit
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("code,status,says", [
+    ("while True:\n    pass", "timeout", "TimeoutError"),
+    ("bytearray(8 * 1024**3)", "memory", "MemoryError"),
+    ("input()", "error", "EOFError"),
+    ("print('y' * 10**6)", "ok", "bytes of output cut"),
+    ("import os\nos.system('sleep 300 &')\nprint(os.getcwd())", "ok", "/tmp" if os.geteuid() == 0 else "thinc_block_"),
+    ("import ctypes\nctypes.string_at(0)", "killed", "SIGSEGV"),
+], ids=["timeout", "memory", "stdin", "output-cap", "background", "segfault"])
+def test_stateful_block_keeps_every_single_block_guarantee(sb_quick, code, status, says):
+    history = [{"code": "import numpy as np\nw = 3\nprint('earlier')", "status": "ok"}]
+    r = sb_quick.run(code, history=history)
+    assert r.status == status and says in r.output, r.output
+    assert "earlier" not in r.output
+    _assert_clean(sb_quick)
+
+
+@pytest.mark.timeout(60)
+def test_stateless_is_the_default_and_unchanged(sb):
+    first, second = sb.run("x = 41\nprint(x)"), sb.run("print(x + 1)")
+    assert first.output == "41\n"
+    assert second.status == "error" and second.output.endswith("NameError: name 'x' is not defined\n")
+    assert sb.run("print(x + 1)", history=None).output == second.output
+
+
+@pytest.mark.timeout(60)
+def test_exemplars_run_unchanged_under_both_policies(sb):
+    import distill
+    for e in distill.load_exemplars(os.path.join(ROOT, "data", "exemplars.jsonl")):
+        _, blocks, _ = distill.split_completion(e["completion"])
+        stateful = _trajectory(sb, [code for code, _ in blocks])
+        stateless = sb.run_many([code for code, _ in blocks])
+        for (code, recorded), a, b in zip(blocks, stateful, stateless):
+            assert a.status == b.status == "ok", (e["id"], a.output, b.output)
+            assert a.output.rstrip("\n") == b.output.rstrip("\n") == recorded, e["id"]
+
+
+@pytest.mark.timeout(120)
+def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, sb):
+    from test_engine import Scripted, enc
+    import tiny
+    tok = tokenizer
+    prompt = ex.build_prompt_ids(tok, "Define x, then use it.")
+    seg1 = enc(tok, "Plan.\n```python\nx = 20\n```")
+    seg2 = enc(tok, "```python\nprint(x+1)\n```")
+    full = (prompt + seg1 + enc(tok, ex.output_block("")) + seg2 + enc(tok, ex.output_block("21\n"))
+            + enc(tok, "\\boxed{21}") + [tok.eos_token_id])
+    model = Scripted(tiny.make_model(tok), [full], tok.eos_token_id)
+    samples = ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300, stateful=True)
+    assert [[(b["output"], b["status"]) for b in s.blocks] for s in samples] == [[("", "ok"), ("21\n", "ok")]] * 2
+    assert [(s.pred, s.finish_reason) for s in samples] == [("21", "stop")] * 2
+    for s in ex.rollout(model, tok, [prompt], sb, n=2, temperature=0.0, max_new_tokens=300):  # stateless
+        assert s.blocks[1]["status"] == "error" and "NameError" in s.blocks[1]["output"]
+
+
+# -----------------------------------------------------------------------------
+# python executor.py FILE ... (issue 22, item 8; issue 18's --stateful)
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "executor.py"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_bad_files_and_flags_in_one_line(tmp_path):
+    good = tmp_path / "ok.py"
+    good.write_text("print('hi')\n")
+    (tmp_path / "bin.py").write_bytes(b"print(1)\x00\x01\x02")
+    (tmp_path / "latin1.py").write_bytes(b"print('caf\xe9')\n")
+    cases = [([str(tmp_path / "missing.py")], "missing.py"), ([str(tmp_path / "bin.py")], "binary"),
+             ([str(tmp_path / "latin1.py")], "UTF-8"), ([str(tmp_path)], "directory"),
+             (["--timeout", "0", str(good)], "--timeout"), (["--timeout", "-1", str(good)], "--timeout"),
+             (["--timeout", "nan", str(good)], "--timeout"), (["--memory-mb", "-5", str(good)], "--memory-mb"),
+             (["--max-output-chars", "-1", str(good)], "--max-output-chars")]
+    for args, says in cases:
+        p = _cli(*args)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and p.stdout == "", (args, p.stdout, p.stderr)
+        assert lines[-1].startswith("executor.py: error: ") and says in lines[-1], (args, p.stderr)
+        assert not any("Traceback" in line for line in lines), p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_cli_prints_what_the_model_sees_with_and_without_output_cap(tmp_path):
+    f = tmp_path / "long.py"
+    f.write_text("print('x' * 3000)\n")
+    p = _cli("--max-output-chars", "0", str(f))
+    assert (p.returncode, p.stdout) == (0, "x" * 3000 + "\n\n")
+    p = _cli("--max-output-chars", "100", str(f))
+    assert p.stdout == "x" * 50 + "\n... [2901 bytes of output cut] ...\n" + "x" * 49 + "\n\n"
+
+
+@pytest.mark.timeout(60)
+def test_cli_stateful_runs_files_as_one_trajectory(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 20\nprint('a ran')\n")
+    b.write_text("print(x + 1)\n")
+    p = _cli("--stateful", str(a), str(b))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"# {a}\na ran\n\n# {b}\n21\n\n"
+    p = _cli(str(a), str(b))
+    assert f"# {b}\n" in p.stdout and "NameError: name 'x' is not defined" in p.stdout
