@@ -214,11 +214,13 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)  # (B, C)
+    executor.check_finite_logits(lse.detach(), "token_logprobs")
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, C)
     if not entropy:
         return logp, torch.zeros_like(logp)
     probs = torch.exp(logits - lse[..., None])  # (B, C, V)
-    return logp, lse - (probs * logits).sum(-1)  # (B, C) each
+    plogits = torch.where(probs > 0, probs * logits, torch.zeros_like(probs))  # a masked (-inf) token adds 0
+    return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
 def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):

@@ -281,6 +281,38 @@ def test_chunked_logprobs_match_full_softmax(model):
     torch.testing.assert_close(t2[:, 1:], ref2, atol=1e-5, rtol=0)
 
 
+@pytest.mark.timeout(30)
+def test_entropy_with_a_masked_token_and_non_finite_logits(model):
+    """A vocabulary entry masked to -inf adds exactly 0 to the entropy (not 0 * -inf = NaN);
+    a NaN or +inf logit is an error naming the trainer's logprob path and the row."""
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    m = copy.deepcopy(model)
+    head = m.get_output_embeddings()
+
+    def set_column(value, row=slice(None)):
+        def hook(module, inputs, out):
+            out = out.clone()
+            out[row, :, 7] = value
+            return out
+        return head.register_forward_hook(hook)
+
+    h = set_column(-float("inf"))
+    with torch.no_grad():
+        lp, ent = sft.token_logprobs(m, ids, mask, chunk_size=4, return_entropy=True)
+        logits = head(m.get_decoder()(input_ids=ids).last_hidden_state).float()[:, :-1]  # (B, T - 1, V), hooked
+    h.remove()
+    p = torch.softmax(logits, -1)
+    ref = -(p * torch.log_softmax(logits, -1)).nan_to_num(0.0).sum(-1)  # 0 * -inf := 0 by hand
+    assert torch.isfinite(ent).all() and (p[..., 7] == 0).all()
+    torch.testing.assert_close(ent[:, 1:], ref, atol=1e-5, rtol=0)
+    for bad in (float("nan"), float("inf")):
+        h = set_column(bad, row=1)
+        with pytest.raises(ValueError, match=r"token_logprobs: non-finite logits .* in row 1"):
+            sft.token_logprobs(m, ids, mask, chunk_size=4)
+        h.remove()
+
+
 @pytest.mark.parametrize("start", [0, 1, 9, 22, 40])
 def test_logprobs_from_start_skip_the_prompt_exactly(model, start):
     """token_logprobs(start=k) gives the full result at columns >= k (clamped to [1, T-1])
