@@ -1081,13 +1081,9 @@ class _Row:
 def _pad_left(seqs, pad_id, device):
     """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
     import torch
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+    from torch.nn.utils.rnn import pad_sequence
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
     return ids.to(device), mask.to(device)
 
 
@@ -1350,7 +1346,7 @@ def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_t
     hit = _fence_stop(r.text, len(piece)) if piece else None
     if hit is not None:
         kind, cut, code = hit
-        _trim_to_fence(r, cut, tokenizer, kind)
+        _trim_to_fence(r, cut, tokenizer)
         if kind == "fake_output":  # the model wrote an output block itself: end the turn there
             return finish(r, "stop")
         if r.tool_calls >= max_tool_calls:
@@ -1394,28 +1390,26 @@ def _fence_stop(text: str, n_new: int):
     return None
 
 
-def _trim_to_fence(r, cut, tokenizer, kind):
+def _trim_to_fence(r, cut, tokenizer):
     """Keep only the model text up to `cut` (the end of a closing fence, or the start of an
     ```output fence the model wrote itself). Whitespace after a closing fence inside its own
     token is kept; anything else after the cut is dropped: tokens that start after it are
-    removed, and a token that straddles it (with the tokens whose bytes it completed) is
-    replaced by the environment's tokens for its part before the cut (e.g. '```\\nThe'
-    becomes '```', role output)."""
+    removed, and a token that straddles it is replaced by the environment's tokens for its
+    part before the cut (e.g. '```\\nThe' becomes '```', role output). Only the newest
+    token can straddle a closing fence (the tokens before it are in the KV cache); held-back
+    tokens whose bytes it completed go with it (they hold a multi-byte character, never a
+    fence, so this only happens at a fake ```output, which ends the row)."""
     if not r.text[cut:].strip():
         return
-    k = len(r.starts)  # the segment's tokens from k on are dropped
-    while k and r.starts[k - 1] >= cut:
-        k -= 1
-    straddle = r.starts[k - 1] if k and (k == len(r.starts) or r.starts[k] > cut) else None
-    while straddle is not None and k and r.starts[k - 1] == straddle:
-        k -= 1
+    k = bisect.bisect_left(r.starts, cut)  # the segment's tokens from k on start after the cut
+    straddle = k > 0 and (k == len(r.starts) or r.starts[k] > cut)
+    if straddle:
+        k = bisect.bisect_left(r.starts, r.starts[k - 1])
+    new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
     n_drop = len(r.starts) - k
-    if kind == "close" and len(r.ids) - n_drop < r.n_fed:
-        return  # the KV cache holds a token to drop (a multi-byte group across the fence): keep them all
     for lst in (r.ids, r.roles, r.logprobs):
         del lst[len(lst) - n_drop:]
     r.n_model -= n_drop
-    new = tokenizer.encode(r.text[straddle:cut], add_special_tokens=False) if straddle is not None else []
     r.ids += new
     r.roles += [ROLE_OUTPUT] * len(new)
     r.logprobs += [float("nan")] * len(new)
