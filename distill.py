@@ -6,8 +6,10 @@ of executor.py. A trajectory is kept iff (i) grade(pred, gold), pred taken from 
 own text after its last output block, never from an interpreter output; (ii) every block's
 sandbox status is 'ok' (error, timeout, memory, killed all fail); (iii) >= 3 code blocks;
 (iv) plan tokens / trajectory tokens < 0.5, with the teacher's tokenizer: the plan is the
-text before the first ```python fence, the denominator every completion token (model +
+model text before the first ```python block, the denominator every completion token (model +
 interpreter output + final EOS), as the paper states the ratio over the whole trajectory.
+With a thinking template (generation prompt ending in `<think>\n`) the trajectory is
+written inside the think block, so prose reasoning there before the first block is plan.
 Prompt: executor.SYSTEM_PROMPT (byte-identical to what the student sees in the other
 stages), the exemplars of data/exemplars.jsonl as prior user / assistant turns (so each
 sits in the assistant role exactly as the teacher must write), then the problem, all
