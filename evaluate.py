@@ -6,7 +6,7 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
 
     avg@k   = 1/k sum_j acc(run j), reported +- the std of acc(run j) over the k runs
     pass@k  = mean_problems [1 - C(n - c, k) / C(n, k)]      (Chen et al. 2021, unbiased)
-    maj@k   = mean_problems 1[the most frequent normalised answer is correct]
+    maj@k   = mean_problems 1[the most frequent answer (grouped by grade) is correct]
     code-grounded rate = share of answered samples whose answer appears in an execution output
     Recovery@k (k = 1..5) = accuracy among samples whose first k code blocks all failed
 plus per-trajectory code lines, code blocks, tool calls, execution errors, model tokens,
@@ -29,8 +29,8 @@ Fractions are stored in [0, 1] in metrics.json and printed as percentages.
 Departures from the paper (it does not define these details):
   1. The std of avg@k is the population std (ddof = 0) of the k run accuracies.
   2. maj@k ties go to the answer whose first vote came earliest (lowest sample_idx);
-     answers are grouped by their normalised string, so `0.5` and `\\frac{1}{2}` are
-     different votes.
+     answers are grouped by the grader's equivalence (`0.5` and `\\frac{1}{2}` are one
+     vote), so maj@k never disagrees with grade.
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
   4. Sampling runs in waves of --batch-size problems x k samples, one rollout call (one
@@ -47,9 +47,8 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from fractions import Fraction
 
-from executor import normalize_answer, split_completion, write_json_atomic
+from executor import grade, number_value, split_completion, write_json_atomic
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
 REQUIRED_FIELDS = ("id", "answer", "pred", "correct", "sample_idx", "benchmark",
@@ -118,31 +117,35 @@ def mean_pass_at_k(records, k: int) -> float:
     return _mean(vals)
 
 
-def majority_answer(records, normalize=normalize_answer):
-    """The voted record of one problem: records with a pred vote for normalize(pred); the
-    answer with most votes wins, ties going to the answer whose first vote has the lowest
-    sample_idx. Returns the earliest record of the winning answer, or None if no record
-    has a (non-empty) answer."""
-    groups = {}   # normalised answer -> records, in first-vote order
+def majority_answer(records, equal=grade):
+    """The voted record of one problem. Records with a pred vote, grouped by the grader's
+    equivalence: a pred joins the first group whose first pred it equals (the same string,
+    or equal(pred, first pred), the first pred in the gold's place), else it opens a new
+    group; so `\\frac{140}{2}` and `70` are one answer, as they are to grade. The group
+    with most votes wins, ties going to the group whose first vote has the lowest
+    sample_idx. Returns the winning group's first record, or None if no record has an
+    answer."""
+    groups = []   # in first-vote order
     for r in sorted(records, key=lambda r: r["sample_idx"]):
-        if r["pred"] is None:
+        if not r["pred"]:
             continue
-        key = normalize(r["pred"])
-        if key:
-            groups.setdefault(key, []).append(r)
-    if not groups:
-        return None
+        for g in groups:
+            if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
     # max() keeps the first of equal counts, and groups are in first-vote order
-    return max(groups.values(), key=len)[0]
+    return max(groups, key=len)[0] if groups else None
 
 
-def maj_at_k(records, k: int | None = None, normalize=normalize_answer) -> float:
+def maj_at_k(records, k: int | None = None, equal=grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
     answer at all counts as wrong."""
     hits = []
     for rs in _by_problem(records).values():
-        voted = majority_answer([r for r in rs if k is None or r["sample_idx"] < k], normalize)
+        voted = majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
         hits.append(voted is not None and bool(voted["correct"]))
     return _mean(hits)
 
@@ -150,114 +153,43 @@ def maj_at_k(records, k: int | None = None, normalize=normalize_answer) -> float
 # -----------------------------------------------------------------------------
 # Code grounding: does the final answer appear in an execution output?
 
-# A number in interpreter output: optional minus, digits, then a fraction `/d`, or
-# thousands groups and/or a decimal part. Not inside a word (`x70`, `a_70`), not part of a
-# longer number (`170`, `1.70`, `70.5`); a sentence-final period is allowed (`is 70.`).
-_OUT_NUMBER = re.compile(r"(?<![\w.])(-?)(\d+)(?:/(\d+)|((?:,\d{3})+)?(\.\d+)?)(?![\w]|\.\d)")
-_PRED_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d+)?)$")
-_PRED_FRAC = re.compile(r"^(-?)(?:\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))$")
+# A number in interpreter output: optional minus, digits with thousands groups, then a
+# decimal part or `/d`. Not inside a word (`x70`, `a_70`), not part of a longer number
+# (`170`, `1.70`, `70.5`); a sentence-final period is allowed (`is 70.`).
+_OUT_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+|/\d+)?(?!\w|\.\d)")
+# What printed code does not write: LaTeX markup, brackets, `*`, `^`, whitespace
+_MARKUP = re.compile(r"\\(?:[dt]?frac|text\w*|mathrm|left|right|cdot|times|[,!;])|[\s$*^{}()\\]")
 
 
-def _number_value(pred_norm: str):
-    """Fraction value of a normalised answer that is a plain number or a fraction of
-    integers, else None."""
-    if _PRED_NUMBER.match(pred_norm):
-        return Fraction(pred_norm)
-    m = _PRED_FRAC.match(pred_norm)
-    if m:
-        num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
-        if int(den) != 0:
-            return Fraction(int(num), int(den)) * (-1 if m.group(1) else 1)
-    return None
+def _bare(s: str) -> str:
+    """s without _MARKUP, `}{` read as `/`: `\\frac{\\sqrt{3}}{2}` and `sqrt(3)/2` are
+    both `sqrt3/2`, `x^{2}+1` and `x**2 + 1` both `x2+1`."""
+    return _MARKUP.sub("", s.replace("}{", "/"))
 
 
-def _output_numbers(output: str):
-    """Fraction values of the number tokens of an interpreter output."""
-    for m in _OUT_NUMBER.finditer(output):
-        sign, whole, den, groups, dec = m.groups()
-        if den is not None:
-            if int(den) == 0:
-                continue
-            v = Fraction(int(whole), int(den))
-        else:
-            v = Fraction(whole + (groups or "").replace(",", "") + (dec or ""))
-        yield -v if sign else v
-
-
-def _plain_forms(pred_norm: str) -> set:
-    """Spellings of a normalised LaTeX answer that code prints: itself, and a sympy-like
-    transliteration (`\\frac{\\sqrt{3}}{2}` -> `sqrt(3)/2`, `2\\pi` -> `2*pi`,
-    `x^{2}` -> `x**2`), all without whitespace."""
-    s = pred_norm
-    for _ in range(5):   # innermost first, a few levels of nesting
-        t = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
-        t = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}",
-                   lambda m: _wrap(m.group(1), "+-") + "/" + _wrap(m.group(2), "+-*/"), t)
-        if t == s:
-            break
-        s = t
-    for a, b in (("\\pi", "pi"), ("\\cdot", "*"), ("\\times", "*"), ("\\infty", "oo"),
-                 ("^", "**"), ("{", "("), ("}", ")"), (" ", "")):
-        s = s.replace(a, b)
-    s = re.sub(r"(\d)(?=[a-zA-Z(])", r"\1*", s)   # implicit products: 2sqrt(3) -> 2*sqrt(3)
-    return {pred_norm.replace(" ", ""), s}
-
-
-def _wrap(x: str, ops: str) -> str:
-    """x in parentheses if it has an operator of ops outside parentheses (a leading minus
-    does not count)."""
-    depth = 0
-    for i, ch in enumerate(x):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0 and ch in ops and i > 0:
-            return "(" + x + ")"
-    return x
-
-
-def _contains_token(haystack: str, needle: str) -> bool:
-    """needle occurs in haystack not glued to a neighbouring name, number or product."""
-    start = haystack.find(needle)
-    while start >= 0:
-        before = haystack[start - 1] if start > 0 else " "
-        end = start + len(needle)
-        after = haystack[end] if end < len(haystack) else " "
-        glued_before = before.isalnum() or before in "._*/^"
-        glued_after = after.isalnum() or after in "._*/^("
-        if not glued_before and not glued_after:
-            return True
-        start = haystack.find(needle, start + 1)
-    return False
-
-
-def answer_in_output(pred: str, outputs, normalize=normalize_answer) -> bool:
+def answer_in_output(pred: str, outputs) -> bool:
     """Whether the answer appears in at least one of the execution outputs.
 
-    Matching rule: the answer is normalised. A plain number or a fraction of integers
-    matches a number token of an output with the same exact value (`70` matches
-    `answer = 70`, `70.0`, `1,000`-style groups and `140/2`, but not `170`, `x70`, `1.70`
-    or `70.5`; `\\frac{1}{2}` matches `0.5` and `1/2`). Any other answer matches when
-    its normalised LaTeX or its sympy-like spelling (see _plain_forms) occurs, with
-    whitespace removed, in an output, not glued to a neighbouring name or number.
+    An answer that executor.number_value reads (a number, a fraction or power of
+    integers) matches a number token of an output with the same exact value (`70`
+    matches `answer = 70`, `70.0`, `1,000`-style groups and `140/2`, but not `170`, `x70`,
+    `1.70` or `70.5`; `\\frac{1}{2}` matches `0.5` and `1/2`). Any other answer matches
+    when its _bare form occurs in an output's _bare form, not glued to a neighbouring
+    name, number or `/` (`2\\pi` matches `2*pi`, not `32*pi`). The bare forms drop
+    brackets, so `(1+x)/2` and `1+x/2` match each other: a diagnostic, not a grader.
     """
-    p = normalize(pred)
-    if not p:
-        return False
-    value = _number_value(p)
+    value = number_value(pred)
     if value is not None:
-        return any(v == value for out in outputs if out for v in _output_numbers(out))
-    forms = _plain_forms(p)
-    for out in outputs:
-        flat = re.sub(r"\s+", "", out or "")
-        if any(_contains_token(flat, f) for f in forms):
-            return True
-    return False
+        return any(number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
+    bare = _bare(pred)
+    token = re.compile(r"(?<![\w./])" + re.escape(bare) + r"(?![\w./])")
+    return bool(bare) and any(token.search(_bare(out)) for out in outputs if out)
 
 
-def code_grounded_rate(records, normalize=normalize_answer) -> tuple:
+def code_grounded_rate(records) -> tuple:
     """(rate or None, count): among records with a pred, the share whose pred appears in
     some block output (answer_in_output); count is the number of records with a pred."""
-    hits = [answer_in_output(r["pred"], [b.get("output") for b in r["blocks"]], normalize)
+    hits = [answer_in_output(r["pred"], [b.get("output") for b in r["blocks"]])
             for r in records if r["pred"] is not None]
     return _mean(hits), len(hits)
 
@@ -328,7 +260,7 @@ def trajectory_stats(records) -> dict:
 # Summary and tables
 
 
-def summarize(records, normalize=normalize_answer) -> dict:
+def summarize(records) -> dict:
     """{benchmark: metrics} with, per benchmark: n_problems, n_samples, k (fewest samples
     of any problem) and k_max, avg_at_k and avg_at_k_std, pass_at_k {str(k): value} for
     k = 1, 2, 4, ... <= k and k itself, maj_at_k (over all samples), code_grounded
@@ -345,12 +277,12 @@ def summarize(records, normalize=normalize_answer) -> dict:
         k = min(sizes)
         ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
         mean, std = avg_at_k(rs)
-        rate, count = code_grounded_rate(rs, normalize)
+        rate, count = code_grounded_rate(rs)
         out[bench] = {
             "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
             "avg_at_k": mean, "avg_at_k_std": std,
             "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
-            "maj_at_k": maj_at_k(rs, None, normalize),
+            "maj_at_k": maj_at_k(rs),
             "code_grounded": {"rate": rate, "count": count},
             "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j)))
                          for j in RECOVERY_KS},

@@ -1638,43 +1638,35 @@ def sample_record(problem: dict, sample) -> dict:
 # -----------------------------------------------------------------------------
 # Answers and grading
 
-# Grading rules (the GRPO reward 1[answer = ground truth], paper Sec. 3.3, and evaluation
-# accuracy), in order, for grade(pred, gold):
-# 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS raw -> wrong.
-# 2. Both sides go through `normalize_answer` (rules in its docstring).
-# 3. Integer gold (AIME, GSM8K, the paper's sets): the prediction must be, exactly,
-#    a) the same integer (`004`, `70.0`, `70.`, `1,000` are integers after normalisation), or
-#    b) a plain fraction of integer literals with that exact value (`\\frac{140}{2}` = 70;
-#       `\\frac{141}{2}` != 70), or
-#    c) an integer power of integer literals with that exact value (`10^{3}` = 1000),
-#       evaluated only when its size cannot exceed the gold's digit count (`10^{100}` != 0
-#       without computing it).
-#    Anything else is wrong: no float tolerance, no truncation, no evaluation of general
-#    expressions (`4.5`, `4\\sqrt{2}` != 4; `2\\cdot35` != 70).
-# 4. Otherwise: equal normalised strings -> right; single words (`\\text{Evelyn}`) compare
-#    case-insensitively and never go to sympy.
-# 5. Otherwise the two answers are parsed (our own small LaTeX parser, no eval) into a
-#    structure: ordered sequences keep their brackets (`(1,2)`, `[a,b)`, matrices) and
-#    compare elementwise in order; bare comma lists, `\\{...\\}` and `a \\pm b` are
-#    unordered; `\\cup` unions compare piecewise in order; `lhs = rhs` equations are equal
-#    when lhs - rhs agree up to a nonzero constant factor; an integer directly followed
-#    by a fraction of integers is a mixed number (`1\\frac{4}{5}` = 9/5, as MATH writes
-#    it). Leaves are compared in a sympy helper process: structural equality, then
-#    simplify(a - b) == 0, then for constant expressions |a - b| < 1e-50 at 60 digits.
-#    Decimals are exact rationals, so `0.5` = `\\frac{1}{2}` but `0.33` != `\\frac{1}{3}`.
-# 6. The sympy step is bounded in wall-clock time from any thread (no signals): a
-#    persistent helper subprocess, JSON lines over pipes, one lock, a per-call timeout
-#    (default 1 s, not counting the helper's start-up or waiting for the lock); on timeout
-#    the helper is killed, restarted lazily, and the answer counts as wrong. Inputs that
-#    could blow up (power towers, nesting deeper than MAX_NESTING, exponents or factorials
-#    of huge literals, more than MAX_LEAVES elements) are rejected before sympy.
+# Grading rules for grade(pred, gold): the GRPO reward 1[answer = ground truth] (paper
+# Sec. 3.3), distillation's rule (i) and evaluation accuracy. In order:
+# 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS -> wrong.
+# 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
+#    written here, no float tolerance, no sympy, no subprocess.
+#    a) An equation counts by its right side when it is one equation whose left side names
+#       something (`m+n=70`, `x = 70`); any other equation is wrong (`5=70`, `x=y=70`,
+#       `x=5,y=70`, `x>=70`).
+#    b) A prediction that `number_value` reads (one number, a plain fraction or an integer
+#       power of integer literals, with the wrappers and units listed in its docstring) is
+#       right iff its exact value is the gold: `004`, `70.`, `70.0`, `\\text{70}`,
+#       `\\$70`, `70\\%`, `70\\text{ cm}`, `70 ways`, `(70)`, `\\frac{140}{2}`, `1,000`,
+#       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
+#       `10^{100}` against 0 are not (a power is size-checked before it is computed).
+#       A comma followed by a space separates list items and digits split by a space
+#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3).
+# 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
+#    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
+#    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
+#    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
+#    places, `\\text{}` answers). It runs in a helper process with a wall-clock limit that
+#    holds from any thread (Math-Verify's own timeouts use SIGALRM, main thread only): a
+#    comparison that misses it kills the helper (the next call starts a fresh one) and
+#    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
+#    helper that died) are counted in GRADER_FAILURES for the stages' logs.
 
-MAX_ANSWER_CHARS = 1000   # raw answer length above which grading says "wrong" at once
-MAX_NESTING = 40          # bracket / brace depth above which an answer is not parsed
-MAX_LEAVES = 24           # elements of a tuple / set / matrix compared with sympy
-MAX_POW_DEPTH = 2         # a^{b^{c}} is allowed, a^{b^{c^{d}}} is not
-MAX_EXP_DIGITS = 4        # a literal exponent with more digits is rejected
-MAX_FACT_DIGITS = 4       # n! with a literal n of more digits is rejected
+MAX_ANSWER_CHARS = 1000        # raw answer length above which grading says "wrong" at once
+HELPER_START_TIMEOUT_S = 60.0  # the grading helper's start-up (imports), not counted per call
+GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wrong, since import
 
 # ---------------------------------------------------------------------------------------
 # Extraction
@@ -1738,769 +1730,171 @@ def extract_answer(text: str, prose_only: bool = True):
 
 
 # ---------------------------------------------------------------------------------------
-# Normalisation
+# Integer rule
 # ---------------------------------------------------------------------------------------
 
-_UNICODE = {"\u2212": "-", "\u2013": "-", "\u00a0": " ", "\u03c0": "\\pi ", "\u00b0": "^\\circ",
-            "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u221a": "\\sqrt", "\u221e": "\\infty "}
-_DROP = re.compile(r"(\\\\)|\\(?:left|right|big|Big|bigg|Bigg|displaystyle)(?![a-zA-Z])|\\[!,;:]")
-_BACKSLASH_SPACE = re.compile(r"(\\\\)|\\ ")
-_TEXT_CMD = re.compile(r"\\(?:mbox|textrm|textbf|textit|textnormal|mathrm|mathbf|text)(?![a-zA-Z])")
-_DEGREE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree")
-_POW23 = r"(?:\^\s*\{?\s*[23]\s*\}?)?"   # cm^2, cm^{3}
-_UNIT_TEXT = re.compile(r"(?<=\S)\s*\\text\{\s*[a-zA-Z][a-zA-Z .]*\}\s*" + _POW23 + r"\s*$")
-_TEXT_GROUP = re.compile(r"\\text\{([^{}]*)\}")
-_UNIT_WORDS = ("cm|mm|km|m|meters?|centimeters?|kilometers?|inches|inch|in|feet|foot|ft|yards?"
-               "|miles?|mph|units?|sq units|square units|square feet|degrees?|cents?|dollars?"
-               "|seconds?|minutes?|hours?|days?|weeks?|years?|pounds?|lbs?|ounces?|grams?|kg|g")
-_UNIT_BARE = re.compile(r"(?<=[\d}])\s+(?:" + _UNIT_WORDS + r")\s*" + _POW23 + r"\s*$")
-_CMD_SPACE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])")
-_ARG = r"(\{[^{}]*\}|\\[a-zA-Z]+|[0-9a-zA-Z])"
-_FRAC_ARGS = re.compile(r"\\frac" + _ARG + _ARG)
-_SQRT_ARG = re.compile(r"\\sqrt(\\[a-zA-Z]+|[0-9a-zA-Z])")
-_LHS = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?(?:=|\\in(?![a-zA-Z]))")
-_SUBSCRIPT = re.compile(r"_\{([0-9a-zA-Z]+)\}")
-_CHOICE = re.compile(r"^\(([A-Ea-e])\)$")
-_THOUSANDS = re.compile(r"^[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")
-_BRACED_THOUSANDS = re.compile(r"\{([1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?)\}")
-_NUMBER_TOKEN = re.compile(r"(?<![\d.])(\d+)(?:\.(\d+))?(?![\d.])|(?<![\d.\w])\.(\d+)(?![\d.])")
+_LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
+                    r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
+_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
+_UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
+_WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
+_FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+_NUMBER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+|[+-]?\d+/0*[1-9]\d*")
+_POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
+_NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
 
 
-def _brace(arg: str) -> str:
-    return arg if arg.startswith("{") else "{" + arg + "}"
+def number_value(answer: str):
+    """The exact value (a Fraction) of an answer written as one number, else None.
 
-
-def _canon_number(m) -> str:
-    """One number token: leading zeros of the integer part and trailing zeros of the
-    fraction dropped (`004` -> `4`, `70.0` -> `70`, `1.50` -> `1.5`, `.5` -> `0.5`)."""
-    if m.group(3) is not None:
-        whole, frac = "0", m.group(3)
-    else:
-        whole, frac = m.group(1), m.group(2) or ""
-    whole = whole.lstrip("0") or "0"
-    frac = frac.rstrip("0")
-    return whole + "." + frac if frac else whole
-
-
-def normalize_answer(s: str) -> str:
-    """Canonical string form of an answer, applied to prediction and gold alike.
-
-    Rules, in order:
-      1. Unicode minus/dashes, pi, degree, times, cdot, sqrt, infinity -> LaTeX; strip.
-      2. Currency and percent: `\\$`, `$`, `\\%`, `%` removed (`\\$70` = `70\\%` = `70`).
-      3. Spacing and sizing commands removed: `\\left`, `\\right`, `\\big...`,
-         `\\displaystyle`, `\\!`, `\\,`, `\\;`, `\\:`; `~` and `\\ ` become spaces;
-         `{,}` -> `,`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\mbox`/`\\textbf`/`\\mathrm`/... ->
-         `\\text`.
-      4. Degrees: `^\\circ`, `^{\\circ}`, `\\circ`, `\\degree` removed (`90^\\circ` = `90`).
-      5. Units: a trailing `\\text{ <letters> }` (optionally `^2`/`^3`) after some content is
-         dropped (`70\\text{ cm}` -> `70`, `864\\mbox{ inches}^2` -> `864`); then every
-         `\\text{X}` -> `X` (`\\text{70}` -> `70`); then a trailing bare unit word from a
-         fixed list after a digit or `}` is dropped (`70 cm` -> `70`).
-      6. Whitespace removed, except one space between a command and a following letter
-         (`\\cot x` stays `\\cot x`; `2 \\pi` -> `2\\pi`).
-      7. Trailing `.` removed (`70.` -> `70`).
-      8. `\\frac` / `\\sqrt` single-token arguments braced (`\\frac 59` -> `\\frac{5}{9}`,
-         `\\frac{270}7` -> `\\frac{270}{7}`, `\\sqrt3` -> `\\sqrt{3}`).
-      9. A leading single-variable `x=` or `x\\in` is dropped when the rest has no `=`
-         (`x=5` -> `5`, `x\\in[-2,7]` -> `[-2,7]`). Multiple choice `(C)` -> `C`.
-         Subscript braces around one alphanumeric run dropped (`4210_{5}` -> `4210_5`).
-     10. Thousands separators removed only when the whole answer is one number grouped in
-         threes with a nonzero lead (`1,000` and `10,\\!080` -> plain; `1,-2`, `0,500`
-         and `(1,000)` keep their commas: lists, and `(1,000)` is the pair (1, 0)); also
-         when such a number is alone in a brace group (`\\frac{1}{20,000}`).
-     11. Every number token: leading zeros and trailing fractional zeros dropped (`004` ->
-         `4`, `70.0` -> `70`, `.5` -> `0.5`); a leading `+` dropped; `-0` -> `0`.
-    Never raises on str input; linear-time regexes only.
+    Read: a decimal (`004`, `70.`, `70.0`, `-.5`, `1,000`, `10,\\!080`: thousands groups
+    only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
+    integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
+    `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
+    degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
+    unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
+    `70ways`; `70x` is not read). Not read: a comma followed by a space (`12, 345` is a
+    list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
+    digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
+    an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
     """
-    for a, b in _UNICODE.items():
-        s = s.replace(a, b)
-    s = s.strip()
-    # 2) currency / percent
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
-    # 3) spacing, sizing, synonyms
-    # `\\` (a matrix row break) is matched first so that its second backslash is kept
-    s = _DROP.sub(lambda m: m.group(1) or "", s)
-    s = _BACKSLASH_SPACE.sub(lambda m: m.group(1) or " ", s)
-    s = s.replace("~", " ").replace("{,}", ",")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _TEXT_CMD.sub(r"\\text", s)
-    # 4) degrees, 5) units
-    s = _DEGREE.sub("", s)
-    s = _UNIT_TEXT.sub("", s)
-    s = _TEXT_GROUP.sub(lambda m: m.group(1), s)
-    s = _UNIT_BARE.sub("", s.strip())
-    # 6) whitespace: keep `\cot x` apart, drop the rest
-    s = _CMD_SPACE.sub(lambda m: m.group(1) + "\x00", s)
-    s = re.sub(r"\s+", "", s).replace("\x00", " ")
-    # 7) sentence-final period
-    s = s.rstrip(".")
-    # 8) brace single-token arguments (a few passes handle \frac{\frac12}{3})
-    for _ in range(3):
-        t = _FRAC_ARGS.sub(lambda m: "\\frac" + _brace(m.group(1)) + _brace(m.group(2)), s)
-        t = _SQRT_ARG.sub(lambda m: "\\sqrt{" + m.group(1) + "}", t)
-        if t == s:
-            break
-        s = t
-    # 9) `x=` prefix, multiple choice
-    m = _LHS.match(s)
-    if m and "=" not in s[m.end():] and s[m.end():]:
-        s = s[m.end():]
-    m = _CHOICE.match(s)
+    s = answer.strip().replace("\u2212", "-")
+    if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
+        return None
+    s = _NOISE.sub("", s)
+    s = _TEXT.sub(r"\1", s)
+    s = _UNIT_WORD.sub("", s)
+    s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
+    s = _WRAPPED.sub(r"\1", s).rstrip(".")
+    s = _FRACTION.sub(r"\1/\2", s)
+    if _NUMBER.fullmatch(s):
+        return Fraction(s.replace(",", ""))
+    m = _POWER.fullmatch(s)
     if m:
-        s = m.group(1).upper()
-    s = _SUBSCRIPT.sub(r"_\1", s)   # 4210_{5} -> 4210_5
-    # 10) thousands separators, 11) number tokens
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
-    s = _BRACED_THOUSANDS.sub(lambda m: "{" + m.group(1).replace(",", "") + "}", s)
-    if s.startswith("+"):
-        s = s[1:]
-    s = _NUMBER_TOKEN.sub(_canon_number, s)
-    if s == "-0":
-        s = "0"
-    return s
-
-
-# ---------------------------------------------------------------------------------------
-# Integer fast path
-# ---------------------------------------------------------------------------------------
-
-_INT = re.compile(r"^-?\d+$")
-_PLAIN_FRAC = re.compile(r"^(-?)(?:\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?\d+)/(-?\d+))$")
-_INT_POW = re.compile(r"^(-?)(\d+)\^(?:\{(\d+)\}|(\d))$")   # -2^{2} is -(2^2)
-
-
-def _as_int(s: str):
-    """int if s is a plain integer (after normalisation), else None."""
-    return int(s) if _INT.match(s) else None
-
-
-def _integer_candidate(p: str) -> str:
-    """For an integer gold, the part of a normalised prediction that states the number:
-    outer `{}` / `()` removed, a trailing `,` dropped, the right side of one equation whose
-    left side names something (`m+n=70`; not `5=70`, nor a list `x=5,y=70`, where the
-    number would depend on the order), and a trailing word of two or more letters dropped
-    (`70ways`, `70cm`)."""
-    for _ in range(3):
-        p = p.rstrip(",")
-        if len(p) > 2 and (p[0], p[-1]) in (("{", "}"), ("(", ")")) and _as_int(p[1:-1]) is not None:
-            p = p[1:-1]
-        if p.count("=") == 1 and "," not in p and re.search(r"[a-zA-Z]", p.split("=")[0]):
-            p = p.split("=")[1]
-        m = re.fullmatch(r"(-?\d+)[a-zA-Z]{2,}", p)
-        if m:
-            p = m.group(1)
-    return p
-
-
-def _grade_integer(p: str, gold: int) -> bool:
-    """Rule 3 of the module docstring: exact integer comparison."""
-    v = _as_int(p)
-    if v is not None:
-        return v == gold
-    m = _PLAIN_FRAC.match(p)
-    if m:
-        num, den = (m.group(2), m.group(3)) if m.group(2) is not None else (m.group(4), m.group(5))
-        if int(den) == 0:
-            return False
-        q = Fraction(int(num), int(den))
-        q = -q if m.group(1) else q
-        return q == gold
-    m = _INT_POW.match(p)
-    if m:
-        base, exp = int(m.group(2)), int(m.group(3) or m.group(4))
-        # size check before computing: base^exp has about exp*log10(base) digits
-        if base > 1 and exp * math.log10(base) > len(str(abs(gold))) + 1:
-            return False
-        return (-1 if m.group(1) else 1) * base ** exp == gold
-    return False
-
-
-# ---------------------------------------------------------------------------------------
-# LaTeX -> expression tree (JSON lists, built into sympy objects by the helper; no eval)
-# ---------------------------------------------------------------------------------------
-
-class _Unparsable(Exception):
-    pass
-
-
-_TOKEN = re.compile(r"\s+|(\d+\.\d*|\.\d+|\d+)|\\([a-zA-Z]+)|\\(.)|([a-zA-Z])|(.)", re.S)
-_FUNCS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh",
-          "cosh", "tanh", "log", "ln", "exp"}
-_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "theta", "lambda", "mu", "phi",
-          "omega", "sigma", "tau", "rho", "psi", "varphi", "varepsilon"}
-_CONSTS = {"pi": "pi", "infty": "oo"}
-_ATOM_CMDS = {"frac", "sqrt", "binom"} | _FUNCS | _GREEK | set(_CONSTS)
-
-
-def _tokenize(s: str):
-    out = []
-    for m in _TOKEN.finditer(s):
-        num, cmd, esc, letter, other = m.groups()
-        if num is not None:
-            out.append(("num", num))
-        elif cmd is not None:
-            out.append(("cmd", cmd))
-        elif esc is not None:
-            out.append(("chr", "\\" + esc))
-        elif letter is not None:
-            out.append(("let", letter))
-        elif other is not None:
-            out.append(("chr", other))
-    return out
-
-
-class _Parser:
-    """Recursive descent over LaTeX tokens:
-    expr := term (+|- term)*; term := unary ((*|/|\\cdot|\\times|\\div|implicit) unary)*;
-    unary := (-|+) unary | power; power := postfix (^ exponent)?; postfix := atom !*."""
-
-    def __init__(self, s: str):
-        self.toks, self.i, self.pow_depth, self.in_abs = _tokenize(s), 0, 0, False
-
-    def peek(self):
-        return self.toks[self.i] if self.i < len(self.toks) else ("end", "")
-
-    def take(self, kind=None, value=None):
-        t = self.peek()
-        if t[0] == "end" or (kind and t[0] != kind) or (value is not None and t[1] != value):
-            raise _Unparsable(f"expected {value or kind}, got {t}")
-        self.i += 1
-        return t
-
-    def parse(self):
-        node = self.expr()
-        if self.peek()[0] != "end":
-            raise _Unparsable(f"trailing {self.peek()}")
-        return node
-
-    def expr(self):
-        node = self.term()
-        while self.peek() in (("chr", "+"), ("chr", "-")):
-            op = self.take()[1]
-            node = ["add", node, self.term() if op == "+" else ["neg", self.term()]]
-        return node
-
-    def term(self):
-        node = self.unary()
-        while True:
-            t = self.peek()
-            if t in (("chr", "*"), ("cmd", "cdot"), ("cmd", "times")):
-                self.take()
-                node = ["mul", node, self.unary()]
-            elif t in (("chr", "/"), ("cmd", "div")):
-                self.take()
-                node = ["div", node, self.unary()]
-            elif self.starts_atom(t):
-                node = ["mul", node, self.power()]   # implicit: 2\sqrt{3}, 2\pi, xy
-            else:
-                return node
-
-    def starts_atom(self, t):
-        kind, v = t
-        if kind in ("num", "let"):
-            return True
-        if kind == "cmd":
-            return v in _ATOM_CMDS
-        return v in ("(", "{", "[") or (v == "|" and not self.in_abs)
-
-    def unary(self):
-        if self.peek() == ("chr", "-"):
-            self.take()
-            return ["neg", self.unary()]
-        if self.peek() == ("chr", "+"):
-            self.take()
-            return self.unary()
-        return self.power()
-
-    def power(self):
-        base = self.postfix()
-        if self.peek() != ("chr", "^"):
-            return base
-        self.take()
-        self.pow_depth += 1
-        if self.pow_depth > MAX_POW_DEPTH:
-            raise _Unparsable("power tower")
-        exp = self.group_or_token(allow_sign=True)
-        self.pow_depth -= 1
-        if exp[0] == "int" and len(exp[1]) > MAX_EXP_DIGITS:
-            raise _Unparsable("huge exponent")
-        if base[0] in ("int", "dec") and _has_pow(exp):
-            raise _Unparsable("numeric power tower")
-        return ["pow", base, exp]
-
-    def postfix(self):
-        node = self.atom()
-        while self.peek() == ("chr", "!"):
-            self.take()
-            if (node[0] == "int" and len(node[1]) > MAX_FACT_DIGITS) or _has_pow(node):
-                raise _Unparsable("huge factorial")
-            node = ["fact", node]
-        return node
-
-    def group_or_token(self, allow_sign=False):
-        """A `{...}` group, or one token (TeX argument), e.g. the exponent of x^2."""
-        if self.peek() == ("chr", "{"):
-            self.take()
-            node = self.expr()
-            self.take("chr", "}")
-            return node
-        if allow_sign and self.peek() == ("chr", "-"):
-            self.take()
-            return ["neg", self.atom()]
-        return self.atom()
-
-    def atom(self):
-        kind, v = self.take()
-        if kind == "num":
-            return ["dec", v] if "." in v else ["int", v]
-        if kind == "let":
-            return ["const", "E"] if v == "e" else ["const", "I"] if v == "i" else ["sym", v]
-        if kind == "chr" and v in ("(", "[", "{"):
-            node = self.expr()
-            self.take("chr", {"(": ")", "[": "]", "{": "}"}[v])
-            return node
-        if kind == "chr" and v == "|" and not self.in_abs:
-            self.in_abs = True
-            node = self.expr()
-            self.take("chr", "|")
-            self.in_abs = False
-            return ["abs", node]
-        if kind == "cmd":
-            return self.command(v)
-        raise _Unparsable(f"unexpected {v!r}")
-
-    def command(self, name):
-        if name == "frac":
-            return ["div", self.group_or_token(), self.group_or_token()]
-        if name == "binom":
-            return ["binom", self.group_or_token(), self.group_or_token()]
-        if name == "sqrt":
-            if self.peek() == ("chr", "["):
-                self.take()
-                n = self.expr()
-                self.take("chr", "]")
-                return ["root", self.group_or_token(), n]
-            return ["sqrt", self.group_or_token()]
-        if name in _CONSTS:
-            return ["const", _CONSTS[name]]
-        if name in _GREEK:
-            return ["sym", name]
-        if name in _FUNCS:
-            exp = None
-            if self.peek() == ("chr", "^"):   # \sin^2 x
-                self.take()
-                exp = self.group_or_token()
-            arg = self.atom() if self.peek() in (("chr", "("), ("chr", "{")) else self.power()
-            call = ["call", "log" if name == "ln" else name, arg]
-            return ["pow", call, exp] if exp is not None else call
-        raise _Unparsable(f"unknown command \\{name}")
-
-
-def _has_pow(node) -> bool:
-    return isinstance(node, list) and (node[0] == "pow" or any(_has_pow(a) for a in node[1:]))
-
-
-def _split_top(s: str, sep: str):
-    """Split s at occurrences of sep that are outside (), [], {} (escaped braces count)."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        if s.startswith("\\{", i) or s.startswith("\\}", i):
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-            continue
-        c = s[i]
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif depth == 0 and s.startswith(sep, i):
-            parts.append(s[start:i])
-            i += len(sep)
-            start = i
-            continue
-        i += 1
-    parts.append(s[start:])
-    return parts
-
-
-def _closing(s: str, i: int) -> int:
-    """Index of the bracket closing the one at s[i] (any of ([ to any of )]), or -1."""
-    depth = 0
-    for j in range(i, len(s)):
-        if s[j] in "([{":
-            depth += 1
-        elif s[j] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j
-    return -1
-
-
-_MIXED = re.compile(r"^(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
-_MATRIX = re.compile(r"^\\begin\{([pbvB]?matrix)\}(.*)\\end\{\1\}$", re.S)
-
-
-def _structure(s: str):
-    """Normalised answer -> nested structure of expression trees:
-    ("expr", tree) | ("eq", [l, r]) | ("seq", brackets, [items]) | ("set", [items]) |
-    ("union", [items]). Raises _Unparsable."""
-    if not s:
-        raise _Unparsable("empty")
-    m = _MATRIX.match(s)
-    if m:
-        rows = [r for r in m.group(2).split("\\\\") if r.strip()]
-        return ("seq", "matrix", [("seq", "row", [_structure(c) for c in r.split("&")])
-                                  for r in rows])
-    parts = _split_top(s, "\\cup")
-    if len(parts) > 1:
-        return ("union", [_structure(p) for p in parts])
-    if s.startswith("\\{") and s.endswith("\\}"):
-        return _set(_split_top(s[2:-2], ","))
-    if s[:1] in "([" and s[-1:] in ")]" and _closing(s, 0) == len(s) - 1:
-        items = _split_top(s[1:-1], ",")
-        if len(items) > 1:
-            return ("seq", s[0] + s[-1], [_structure(p) for p in items])
-    items = _split_top(s, ",")
-    if len(items) > 1:
-        return _set(items)
-    pm = _split_top(s, "\\pm")
-    if len(pm) == 2:   # a \pm b -> {a + b, a - b}
-        a = _Parser(pm[0]).parse() if pm[0] else ["int", "0"]
-        b = _Parser(pm[1]).parse()
-        return ("set", [("expr", ["add", a, b]), ("expr", ["add", a, ["neg", b]])])
-    eq = _split_top(s, "=")
-    if len(eq) == 2:
-        return ("eq", [_Parser(eq[0]).parse(), _Parser(eq[1]).parse()])
-    m = _MIXED.match(s)
-    if m:   # 1\frac{4}{5} is the mixed number 9/5, as MATH writes it, not 1 * 4/5
-        whole, frac = ["int", m.group(2)], ["div", ["int", m.group(3)], ["int", m.group(4)]]
-        tree = ["add", whole, frac]
-        return ("expr", ["neg", tree] if m.group(1) else tree)
-    return ("expr", _Parser(s).parse())
-
-
-def _set(items: list):
-    """Unordered collection; an `a \\pm b` item contributes both of its values."""
-    out = []
-    for p in items:
-        x = _structure(p)
-        out.extend(x[1] if x[0] == "set" else [x])
-    return ("set", out)
-
-
-def _leaves(x) -> int:
-    return 1 if x[0] in ("expr", "eq") else sum(_leaves(c) for c in x[-1])
-
-
-def _pairs(p, g, out: set) -> bool:
-    """Collect the leaf comparisons needed to decide p == g; False if shapes differ."""
-    if p[0] != g[0]:
-        return False
-    if p[0] in ("expr", "eq"):
-        out.add((p[0], json.dumps(p[1]), json.dumps(g[1])))
-        return True
-    if p[0] == "seq" and p[1] != g[1]:
-        return False
-    a, b = p[-1], g[-1]
-    if len(a) != len(b):
-        return False
-    if p[0] == "set":   # unordered: every cross pair (a pair of other shapes is unequal)
-        for x in a:
-            for y in b:
-                _pairs(x, y, out)
-        return True
-    return all(_pairs(x, y, out) for x, y in zip(a, b))
-
-
-def _decide(p, g, eq: dict) -> bool:
-    """p == g given the leaf results eq[(kind, json_p, json_g)]."""
-    if p[0] != g[0]:
-        return False
-    if p[0] in ("expr", "eq"):
-        return eq.get((p[0], json.dumps(p[1]), json.dumps(g[1])), False)
-    if p[0] == "seq" and p[1] != g[1]:
-        return False
-    a, b = p[-1], g[-1]
-    if len(a) != len(b):
-        return False
-    if p[0] != "set":
-        return all(_decide(x, y, eq) for x, y in zip(a, b))
-    # Equality is an equivalence relation, so greedy matching decides multiset equality.
-    unused = list(b)
-    for x in a:
-        hit = next((k for k, y in enumerate(unused) if _decide(x, y, eq)), None)
-        if hit is None:
-            return False
-        unused.pop(hit)
-    return True
-
-
-def _exact(tree):
-    """Fraction value of a tree made only of integer / decimal literals, -, and /;
-    else None. Lets `0.5` vs `\\frac{1}{2}` be decided without sympy."""
-    op = tree[0] if isinstance(tree, list) else None
-    if op == "int":
-        return Fraction(int(tree[1]))
-    if op == "dec":
-        return Fraction(tree[1])
-    if op == "neg":
-        v = _exact(tree[1])
-        return None if v is None else -v
-    if op in ("div", "add"):
-        a, b = _exact(tree[1]), _exact(tree[2])
-        if a is None or b is None:
-            return None
-        if op == "add":
-            return a + b
-        return None if b == 0 else a / b
+        base, exp = int(m[2]), int(m[3] or m[4])
+        if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
+            return math.inf
+        return Fraction(base ** exp * (-1 if m[1] else 1))
     return None
 
 
-def _too_deep(s: str) -> bool:
-    depth = 0
-    for c in s:
-        depth += c in "([{"
-        depth -= c in ")]}"
-        if depth > MAX_NESTING:
-            return True
-    return False
-
-
 # ---------------------------------------------------------------------------------------
-# Sympy helper process
+# Math-Verify in a helper process
 # ---------------------------------------------------------------------------------------
 
-_HELPER_SRC = r'''
-import json, resource, sys
-try:  # a runaway simplify must not take the machine's memory
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-except (ValueError, OSError):
-    pass
-try:
-    import sympy as sp
-except Exception as e:
-    print("error " + repr(e), flush=True)
-    sys.exit(1)
-FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec,
-         "csc": sp.csc, "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan,
-         "sinh": sp.sinh, "cosh": sp.cosh, "tanh": sp.tanh, "log": sp.log, "exp": sp.exp}
-CONSTS = {"pi": sp.pi, "E": sp.E, "I": sp.I, "oo": sp.oo}
-def build(n):
-    op = n[0]
-    if op == "int": return sp.Integer(n[1])
-    if op == "dec": return sp.Rational(n[1])
-    if op == "sym": return sp.Symbol(n[1])
-    if op == "const": return CONSTS[n[1]]
-    if op == "call": return FUNCS[n[1]](build(n[2]))
-    a = [build(x) for x in n[1:]]
-    if op == "add": return a[0] + a[1]
-    if op == "neg": return -a[0]
-    if op == "mul": return a[0] * a[1]
-    if op == "div": return a[0] / a[1]
-    if op == "pow": return a[0] ** a[1]
-    if op == "sqrt": return sp.sqrt(a[0])
-    if op == "root": return sp.root(a[0], a[1])
-    if op == "fact": return sp.factorial(a[0])
-    if op == "binom": return sp.binomial(a[0], a[1])
-    if op == "abs": return sp.Abs(a[0])
-    raise ValueError(op)
-def zero(d):
-    if d == 0:
-        return True
-    if d.has(sp.nan, sp.zoo, sp.oo, -sp.oo):
-        return False
-    d = sp.simplify(d)
-    if d == 0:
-        return True
-    if d.free_symbols:
-        return sp.expand(d) == 0
-    v = sp.N(d, 60)
-    return bool(v.is_number and abs(v) < sp.Float("1e-50"))
-def same(kind, a, b):
-    a, b = json.loads(a), json.loads(b)
-    if kind == "eq":  # lhs - rhs equal up to a nonzero constant factor
-        x, y = build(a[0]) - build(a[1]), build(b[0]) - build(b[1])
-        if zero(x - y) or zero(x + y):
-            return True
-        if y == 0 or x == 0:
-            return False
-        r = sp.simplify(x / y)
-        return bool(r.is_number and not r.free_symbols and r != 0 and r.is_finite)
-    x, y = build(a), build(b)
-    return x == y or zero(x - y)
-print("ready", flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    # CPU-time backstop: if the parent died while this runs, the kernel ends us.
-    used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-    try:
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used) + int(req["timeout"]) + 5,
-                                                 resource.RLIM_INFINITY))
-    except (ValueError, OSError):
-        pass
-    out = []
-    for kind, a, b in req["pairs"]:
+def _serve_grader():
+    """Body of the grading helper process (started by _Grader): one JSON line [gold, pred]
+    on stdin -> one line on stdout: 1 (equal), 0, or error (Math-Verify raised).
+    Math-Verify's own SIGALRM timeouts work here (this is the helper's main thread); they
+    end a stuck comparison if the parent died, the parent's deadline is the one that counts.
+    math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
+    dependency for grading: a well-kept grader instead of a parser of our own."""
+    import resource
+    from math_verify import parse, verify
+    with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    reply_to, sys.stdout = sys.stdout, sys.stderr   # the libraries' stray prints are not replies
+    verify(parse("$1$"), parse("$1$"))   # first call imports the parser; before "ready"
+    print("ready", file=reply_to, flush=True)
+    for line in sys.stdin:
+        gold, pred = json.loads(line)
         try:
-            out.append(bool(same(kind, a, b)))
+            reply = int(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
         except Exception:
-            out.append(False)
-    sys.stdout.write(json.dumps({"eq": out}) + "\n")
-    sys.stdout.flush()
-'''
-
-HELPER_START_TIMEOUT_S = 60.0
+            reply = "error"
+        print(reply, file=reply_to, flush=True)
 
 
-class _SympyHelper:
-    """One persistent sympy process shared by all threads of this process.
+class _Grader:
+    """The Math-Verify helper process shared by all threads of this process.
 
-    Calls are serialised by a lock; each call's reply is awaited with poll() on the
-    pipe (works from any thread, unlike SIGALRM). A call that misses its deadline kills
-    the helper; the next call starts a fresh one. After fork() the child forgets the
-    parent's helper and lock (os.register_at_fork) and starts its own when needed.
-    """
+    Calls are serialised by a lock; each reply is awaited with poll() on the pipe, which
+    works from any thread (SIGALRM does not). A call that misses its deadline kills the
+    helper; the next call starts a fresh one. After fork() the child forgets the parent's
+    helper (os.register_at_fork) and starts its own when needed."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.proc, self.buf = None, b""
-
-    def forget(self):
-        self.lock = threading.Lock()
-        self.proc, self.buf = None, b""
+        self.proc = None
 
     def _start(self):
-        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1",
-                   OMP_NUM_THREADS="1")   # fixed hash seed: sympy's term order, reproducible
-        self.proc = subprocess.Popen([sys.executable, "-c", _HELPER_SRC],
+        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", "import executor; executor._serve_grader()"],
+                                     cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, close_fds=True)
-        self.buf = b""
-        line = self._readline(HELPER_START_TIMEOUT_S)
-        if line != "ready":
+                                     stderr=subprocess.DEVNULL)
+        if self._reply(HELPER_START_TIMEOUT_S) != "ready":
             self.kill()
-            raise RuntimeError(f"sympy grading helper failed to start ({line!r}); "
-                               f"is sympy installed for {sys.executable}?")
+            raise RuntimeError(f"the grading helper did not start: is math-verify installed "
+                               f"for {sys.executable}?")
 
-    def _readline(self, timeout: float):
-        """One line from the helper within timeout seconds, or None."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        poller = select.poll()   # poll, not select: no FD_SETSIZE limit on fd numbers
-        poller.register(fd, select.POLLIN)
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(max(1, math.ceil(left * 1000))):
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:   # helper died (e.g. memory limit)
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
+    def _reply(self, timeout: float):
+        """The helper's next line within timeout seconds; None if late, "" if it died."""
+        poller = select.poll()   # not select(): no FD_SETSIZE limit on the pipe's number
+        poller.register(self.proc.stdout, select.POLLIN)
+        if not poller.poll(math.ceil(timeout * 1000)):
+            return None
+        return self.proc.stdout.readline().decode().strip()
 
     def kill(self):
         if self.proc is not None:
-            try:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        self.proc, self.buf = None, b""
+            self.proc.kill()
+            self.proc.communicate()   # reaps it and closes the pipes
+        self.proc = None
 
-    def ask(self, pairs: list, timeout: float):
-        """Leaf comparisons -> list of bools, or None on timeout / helper death."""
+    def verify(self, gold: str, pred: str, timeout: float) -> bool:
+        """Math-Verify's verdict; False on a timeout or failure, counted in GRADER_FAILURES.
+        Raises RuntimeError if the helper cannot start (math-verify not installed)."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.kill()
                 self._start()
-            try:
-                self.proc.stdin.write((json.dumps({"pairs": pairs, "timeout": timeout})
-                                       + "\n").encode())
+            try:   # one short line: the write never blocks on the pipe
+                self.proc.stdin.write((json.dumps([gold, pred]) + "\n").encode())
                 self.proc.stdin.flush()
-            except OSError:
+                reply = self._reply(timeout)
+            except OSError:   # the helper died just now
+                reply = ""
+            if reply not in ("0", "1"):
+                GRADER_FAILURES["timeout" if reply is None else "error"] += 1
+            if not reply:   # late or dead: the next call starts a fresh helper
                 self.kill()
-                return None
-            line = self._readline(timeout)
-            if line is None:
-                self.kill()
-                return None
-            return json.loads(line)["eq"]
+            return reply == "1"
 
 
-_HELPER = _SympyHelper()
-atexit.register(_HELPER.kill)
-os.register_at_fork(after_in_child=_HELPER.forget)
-
-
-def _sympy_equal(p: str, g: str, timeout: float) -> bool:
-    """Rule 5 of the module docstring. False when unparsable, too big, or too slow."""
-    if _too_deep(p) or _too_deep(g):
-        return False
-    try:
-        sp_, sg = _structure(p), _structure(g)
-        if _leaves(sp_) > MAX_LEAVES or _leaves(sg) > MAX_LEAVES:
-            return False
-        needed = set()
-        if not _pairs(sp_, sg, needed):
-            return False
-    except (_Unparsable, RecursionError):   # deep trees: json.dumps recurses too
-        return False
-    eq, todo = {}, []
-    for k in needed:   # identical trees and plain numbers need no sympy
-        a, b = _exact(json.loads(k[1])), _exact(json.loads(k[2]))
-        if k[1] == k[2]:
-            eq[k] = True
-        elif k[0] == "expr" and a is not None and b is not None:
-            eq[k] = a == b
-        else:
-            todo.append(k)
-    if todo:
-        res = _HELPER.ask([list(k) for k in todo], timeout)
-        if res is None:
-            return False
-        eq.update(zip(todo, res))
-    return _decide(sp_, sg, eq)
+_GRADER = _Grader()
+atexit.register(_GRADER.kill)
+os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is not ours
 
 
 # ---------------------------------------------------------------------------------------
 # Grade
 # ---------------------------------------------------------------------------------------
 
-_WORD = re.compile(r"^[A-Za-z][A-Za-z ]+$")
-
-
 def grade(pred, gold: str, timeout: float = 1.0) -> bool:
-    """1[pred is equivalent to gold] under the rules of the module docstring.
+    """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
+    then Math-Verify).
 
-    pred: an extracted answer or None; gold: the reference answer string. timeout:
-    seconds allowed for the sympy step (rule 5); exceeding it counts as wrong. Safe to
-    call from any thread. Raises RuntimeError only if the sympy helper cannot start.
+    pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
+    allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
+    waiting for another thread's call; missing it counts as wrong. Safe to call from any
+    thread. Raises RuntimeError only if the Math-Verify helper cannot start.
     """
     if pred is None:
         return False
-    pred, gold = str(pred), str(gold)
-    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+    pred, gold = str(pred).strip(), str(gold).strip()
+    if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
-    p, g = normalize_answer(pred), normalize_answer(gold)
-    if not p or not g:
-        return False
-    gi = _as_int(g)
-    if gi is not None:
-        if re.search(r"\d\s+\d", pred):  # "7 0" is not 70
-            return False
-        return _grade_integer(_integer_candidate(p), gi)
-    if p == g:
-        return True
-    if _WORD.match(p) or _WORD.match(g):
-        return p.lower() == g.lower()
-    return _sympy_equal(p, g, timeout)
+    g = number_value(gold)
+    if isinstance(g, Fraction) and g.denominator == 1:
+        if "=" in pred:
+            m = _NAMED_EQUATION.fullmatch(pred)
+            return m is not None and grade(m[2], gold, timeout)
+        p = number_value(pred)
+        if p is not None:
+            return p == g
+    return _GRADER.verify(gold, pred, timeout)
 
 
 def main():

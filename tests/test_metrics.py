@@ -142,10 +142,28 @@ def test_maj_at_k_votes_ties_and_no_answers():
 
 
 @pytest.mark.timeout(10)
-def test_maj_at_k_uses_the_given_normalizer():
+def test_maj_at_k_uses_the_given_equivalence():
     rs = [rec("x", 0, False, "A"), rec("x", 1, True, "b"), rec("x", 2, True, "B")]
-    assert ev.maj_at_k(rs, normalize=str) == 0.0             # A, b, B: three 1-vote answers
-    assert ev.maj_at_k(rs, normalize=str.lower) == 1.0       # b, B together
+    assert ev.maj_at_k(rs, equal=lambda a, b: False) == 0.0          # A, b, B: three 1-vote answers
+    assert ev.maj_at_k(rs, equal=lambda a, b: a.lower() == b.lower()) == 1.0   # b, B together
+
+
+@pytest.mark.timeout(60)
+def test_maj_at_k_groups_votes_as_the_grader_does():
+    """\\frac{140}{2} and 70 are both right for gold 70: one answer with 2 votes, tied
+    with 5's 2 votes; the tie goes to the earliest first vote (issue 21 item 6: grouped by
+    normalised string, 5 won with 2 votes against 1 + 1 and maj@4 was 0)."""
+    first = [rec("p", 0, True, "\\frac{140}{2}"), rec("p", 1, True, "70"),
+             rec("p", 2, False, "5"), rec("p", 3, False, "5")]
+    assert ev.maj_at_k(first, k=4) == 1.0
+    assert ev.majority_answer(first)["pred"] == "\\frac{140}{2}"   # the group's first vote
+    later = [rec("q", 0, False, "5"), rec("q", 1, True, "\\frac{140}{2}"),
+             rec("q", 2, True, "70"), rec("q", 3, False, "5")]
+    assert ev.maj_at_k(later, k=4) == 0.0                            # 5 voted first
+    half = "\\frac{1}{2}"                                           # non-integer: Math-Verify's equivalence
+    halves = [rec("h", 0, False, "0.3", answer=half), rec("h", 1, True, "0.5", answer=half),
+              rec("h", 2, True, half, answer=half), rec("h", 3, True, "\\frac{2}{4}", answer=half)]
+    assert ev.maj_at_k(halves) == 1.0                                # 3 votes against 0.3's 1
 
 
 # --- code grounding ---------------------------------------------------------------------------
