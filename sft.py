@@ -330,33 +330,32 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
     turn differently (strip reasoning, add an empty think block) from the turn generated.
     Raises ValueError (prefixed with `where`) when `outputs` do not match the completion.
     """
-    stops = stops if stops is not None else executor.stop_token_ids(tokenizer)
-    runs = []  # [text, role]: the model text between output blocks, and the output blocks
     try:
         segments = executor.split_completion(completion, outputs)
     except ValueError as e:
         raise ValueError(f"{where}: {e}" if where else str(e)) from None
-    for s in segments:
-        role = ROLE_OUTPUT if s.kind == "output" else ROLE_MODEL
-        if runs and runs[-1][1] == role == ROLE_MODEL:
-            runs[-1][0] += s.text
+    runs = [["", ROLE_MODEL]]  # [text, role]: model text, an output block, model text, ...
+    for seg in segments:
+        if seg.kind == "output":
+            runs += [[seg.text, ROLE_OUTPUT], ["", ROLE_MODEL]]
         else:
-            runs.append([s.text, role])
-    for model, output in zip(runs, runs[1:]):
+            runs[-1][0] += seg.text
+    for model, output in zip(runs[::2], runs[1::2]):
         # The engine stops right after the token holding the fence's last backtick; when this
         # tokenizer merges the newline after a fence into that token (Qwen2.5: "`\n"), the
         # newline is the model's and the output block has no leading newline.
-        if model[1] == ROLE_MODEL and output[0].startswith("\n"):
-            last = tokenizer.decode(tokenizer.encode(model[0] + "\n", add_special_tokens=False)[-1:])
-            if last.endswith("\n") and last != "\n":
-                model[0], output[0] = model[0] + "\n", output[0][1:]
+        last = tokenizer.decode(tokenizer.encode(model[0] + "\n", add_special_tokens=False)[-1:])
+        if output[0].startswith("\n") and last.endswith("\n") and last != "\n":
+            model[0], output[0] = model[0] + "\n", output[0][1:]
     ids = executor.build_prompt_ids(tokenizer, problem, **template_kwargs)
     roles = [ROLE_PROMPT] * len(ids)
     for text, role in runs:
         t = tokenizer.encode(text, add_special_tokens=False)
         ids += t
         roles += [role] * len(t)
-    return {"ids": ids + [end_of_turn_id(tokenizer, stops) if eot is None else eot], "roles": roles + [ROLE_MODEL]}
+    if eot is None:
+        eot = end_of_turn_id(tokenizer, stops if stops is not None else executor.stop_token_ids(tokenizer))
+    return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
 def load_sft_data(path: str, tokenizer, max_len: int):
@@ -378,11 +377,10 @@ def load_sft_data(path: str, tokenizer, max_len: int):
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             problem = row.get("problem", row.get("question"))
-            if problem is None or row.get("completion") is None:
-                raise ValueError(f"{where}: needs 'problem' and 'completion'")
-            for key, value in (("problem", problem), ("completion", row["completion"])):
+            for key, value in (("problem", problem), ("completion", row.get("completion"))):
                 if not isinstance(value, str):
-                    raise ValueError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+                    got = "nothing" if value is None else type(value).__name__
+                    raise ValueError(f"{where}: field '{key}' must be a string, got {got}")
             blocks = row.get("blocks")
             if blocks is not None and not (isinstance(blocks, list) and all(
                     isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
