@@ -1058,10 +1058,6 @@ class Sample:
     def n_model_tokens(self):
         return sum(r == ROLE_MODEL for r in self.roles)
 
-    @property
-    def n_output_tokens(self):
-        return sum(r == ROLE_OUTPUT for r in self.roles)
-
 
 class _Row:
     """Per-sample decoding state (plain data; the loop in `rollout` drives it)."""
@@ -1250,15 +1246,12 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
     # never on when other rows pause for their blocks
     gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(rows), desc="rollout", unit="sample", leave=False)
+    from tqdm import tqdm
+    bar = tqdm(total=len(rows), desc="rollout", unit="sample", leave=False, disable=not progress)
 
     def finish(r, reason):
         r.finish = reason
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
     with pool, torch.inference_mode():
@@ -1326,8 +1319,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             # 5) one forward over the ragged chunk (a token, or an output block)
             if any(need):
                 logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
-    if bar is not None:
-        bar.close()
+    bar.close()
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
 
 
