@@ -856,7 +856,7 @@ def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_P
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Every id that ends a turn (case G4): the tokenizer's EOS, every generation-config
+    """Every id that ends a turn (tests/faults.md G4): the tokenizer's EOS, every generation-config
     EOS id (an int or a list), and the chat end-of-turn tokens the vocabulary has."""
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -1173,8 +1173,8 @@ def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
         row's pads sit in the *middle* of its mask, after its history.
     past_mask: (B, S) 0/1 mask of what the cache holds. n_real: (B,) real tokens so far.
     Returns (logits (B, V) at each row's last fed position, new mask (B, S + L), n_real).
-    Position ids count real tokens only (case G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (case G8).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
     """
     import torch
     ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
@@ -1217,7 +1217,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         sandbox: a `Sandbox` (anything with a thread-safe `run(code) -> ExecResult` and
             `workers`, the number of blocks run at once).
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
-            shared, every row's first token drawn independently (case G7).
+            shared, every row's first token drawn independently (tests/faults.md G7).
         temperature, top_p, top_k: see `sample_next_token`.
         max_context: tokens of prompt + completion; reaching it ends a row with 'length'.
         max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
@@ -1438,8 +1438,11 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     text = tokenizer.decode(comp)
     first = split_completion(text)[:1]
     plan = first[0].text if first and first[0].kind == "plan" else ""
-    # the plan's tokens are those that start before its end (the decoded prefix grows with k)
-    plan_tokens = bisect.bisect_left(range(len(comp)), len(plan), key=lambda k: len(tokenizer.decode(comp[:k])))
+    # the plan's tokens are those that start before its end (the decoded prefix grows with k),
+    # all of them before the first output block
+    first_output = r.roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in r.roles else len(comp)
+    plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
+                                     key=lambda k: len(tokenizer.decode(comp[:k])))
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)

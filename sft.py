@@ -360,7 +360,7 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
 
 def load_sft_data(path: str, tokenizer, max_len: int):
     """Read trajectory JSONL and build examples. Returns (examples, n_dropped): examples
-    longer than `max_len` tokens are dropped and counted, never truncated (case F5).
+    longer than `max_len` tokens are dropped and counted, never truncated (tests/faults.md F5).
     Raises ValueError naming file:line for a bad row."""
     stops = executor.stop_token_ids(tokenizer)
     eot = end_of_turn_id(tokenizer, stops)

@@ -1,4 +1,4 @@
-"""The trajectory engine: KV-cached sampler, stop detection, rollout loop (cases G1-G8)."""
+"""The trajectory engine: KV-cached sampler, stop detection, rollout loop (tests/faults.md G1-G8)."""
 import math
 import types
 

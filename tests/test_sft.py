@@ -231,10 +231,11 @@ def test_sft_ids_are_the_ids_the_engine_fed_for_every_template_family(family):
     assert s.ids == ex["ids"] and s.roles == ex["roles"]
     assert s.text == completion and s.pred == "10" and s.finish_reason == "stop"
     assert ex["ids"][:len(prompt)] == prompt and s.plan_text == "Add, then double.\n"
-    eot = {"llama3": "<|eot_id|>", "plain": "<|im_end|>"}.get(family, "<|im_end|>")
+    eot = "<|eot_id|>" if family == "llama3" else "<|im_end|>"  # "plain" writes none: the EOS
     assert ex["ids"][-1] == tok.convert_tokens_to_ids(eot) and ex["roles"][-1] == ROLE_MODEL
-    tail = {"qwen3_thinking": "<|im_start|>assistant\n<think>\n", "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            "qwen3_no_thinking": "<|im_start|>assistant\n<think>\n\n</think>\n\n", "plain": "assistant: "}
+    tail = {"qwen3_thinking": "<|im_start|>assistant\n<think>\n",
+            "qwen3_no_thinking": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+            "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "plain": "assistant: "}
     assert tok.decode(prompt).endswith(tail.get(family, "<|im_start|>assistant\n"))
     if family == "llama3":
         assert prompt[0] == tok.bos_token_id and tok.eos_token_id != ex["ids"][-1]
