@@ -921,8 +921,7 @@ def check_finite_logits(lse, where: str):
     """Raise ValueError naming the first row whose logits' log-sum-exp `lse` ((B,) or
     (B, T), one value per distribution) is not finite: the row holds a NaN or a +inf, or
     no finite value. -inf entries (masked tokens) are fine."""
-    import torch
-    bad = ~torch.isfinite(lse)
+    bad = ~lse.isfinite()
     if bad.any():
         raise ValueError(f"{where}: non-finite logits (NaN, +inf, or every entry -inf) in row "
                          f"{bad.nonzero()[0, 0].item()}")
@@ -944,12 +943,11 @@ def filter_top_p_top_k(probs, top_p: float = 1.0, top_k: int = 0):
 def _top_k_top_p(logits, top_p: float, top_k: int):
     """(B, V) logits with the tokens outside top-k, then top-p, set to -inf (transformers'
     warpers, op for op, so that the kept sets agree at float boundaries too)."""
-    import torch
     if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
+        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=False)  # (B, V)
+        sorted_logits, idx = logits.sort(descending=False)  # (B, V)
         drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
         drop[..., -1:] = False  # the most likely token always stays
         logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
