@@ -33,7 +33,6 @@ Departures from the paper:
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from datetime import timedelta
