@@ -35,12 +35,13 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
 
 import executor as ex
-from sft import cleanup_distributed, setup_distributed
+from sft import cleanup_distributed, print0, setup_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -83,10 +84,9 @@ def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
         for r in rows:
             plan, blocks, final = split_completion(r["completion"])
             results = sb.run_many([code for code, _ in blocks])
-            bad = [i for i, res in enumerate(results) if not res.ok]
-            if bad:
-                raise ValueError(f"{r['id']}: block {bad[0]} ended with {results[bad[0]].status}:\n"
-                                 f"{results[bad[0]].output}")
+            for i, res in enumerate(results):
+                if not res.ok:
+                    raise ValueError(f"{r['id']}: block {i} ended with {res.status}:\n{res.output}")
             r["completion"] = join_completion(plan, [(c, res.output.rstrip("\n"))
                                                      for (c, _), res in zip(blocks, results)], final)
     ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -116,18 +116,12 @@ def filter_reasons(record: dict, min_blocks: int = 3, max_plan_share: float = 0.
     max_plan_share: rule (iv), plan_share must be strictly below it.
     require_stop: departure 1, finish_reason must be 'stop'.
     """
-    reasons = []
-    if not ex.grade(record["pred"], record["answer"]):
-        reasons.append("incorrect")
-    if any(b["status"] != "ok" for b in record["blocks"]):
-        reasons.append("exec_error")
-    if record["n_code_blocks"] < min_blocks:
-        reasons.append("few_blocks")
-    if plan_share(record) >= max_plan_share:
-        reasons.append("long_plan")
-    if require_stop and record["finish_reason"] != "stop":
-        reasons.append("unfinished")
-    return reasons
+    failed = (not ex.grade(record["pred"], record["answer"]),  # in RULES order
+              any(b["status"] != "ok" for b in record["blocks"]),
+              record["n_code_blocks"] < min_blocks,
+              plan_share(record) >= max_plan_share,
+              require_stop and record["finish_reason"] != "stop")
+    return [rule for rule, f in zip(RULES, failed) if f]
 
 
 def summarize(kept: list, rejected: list) -> dict:
@@ -141,9 +135,6 @@ def summarize(kept: list, rejected: list) -> dict:
         return sum(xs) / len(xs) if xs else None
 
     fails = {r: sum(r in row["reasons"] for row in rejected) for r in RULES}
-    finish = {}
-    for row in rows:
-        finish[row["finish_reason"]] = finish.get(row["finish_reason"], 0) + 1
     return {
         "trajectories": n, "kept": len(kept), "rejected": len(rejected),
         "acceptance_rate": len(kept) / n if n else None,
@@ -154,7 +145,7 @@ def summarize(kept: list, rejected: list) -> dict:
         "mean_plan_share": mean(plan_share(r) for r in rows),
         "mean_plan_share_kept": mean(plan_share(r) for r in kept),
         "mean_completion_tokens": mean(r["completion_tokens"] for r in rows),
-        "finish_reasons": finish,
+        "finish_reasons": dict(Counter(row["finish_reason"] for row in rows)),
     }
 
 
@@ -247,27 +238,19 @@ def main(argv=None):
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
     barrier = dist.barrier if world > 1 else (lambda: None)
-
-    def print0(*a):
-        if rank == 0:
-            print(*a, flush=True)
-
     out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
     summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
     if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
         check_run_args(args, args_path)
     if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        ex.write_json_atomic(args_path, vars(args))
+        ex.write_json_atomic(args_path, vars(args))  # creates the folder of --out
         for path in (out, rejected_path):
             if cut := ex.drop_torn_tail(path):
                 print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)
     barrier()  # no rank reads or appends before the torn lines are gone
 
     # 1) problems, exemplars, and what earlier runs already wrote
-    problems = ex.read_problems(args.data)
-    if args.limit:
-        problems = problems[:args.limit]
+    problems = ex.read_problems(args.data)[:args.limit or None]  # --limit 0: all
     exemplars = load_exemplars(args.exemplars)
     k = args.samples_per_problem
     done = {(r["id"], r["sample_idx"]) for path in (out, rejected_path)
@@ -276,44 +259,36 @@ def main(argv=None):
     mine = [(i, p) for i, p in enumerate(problems) if i % world == rank
             and any((p["id"], j) not in done for j in range(k))]
     n_todo = sum((p["id"], j) not in done for p in problems for j in range(k))
-    print0(f"problems {len(problems)} x {k} samples = {len(problems) * k} trajectories; "
-           f"{len(problems) * k - n_todo} done before, {n_todo} to sample on {world} rank(s); "
-           f"rank 0: {len(mine)} problems in {-(-len(mine) // args.batch_size)} batches of <= {args.batch_size}")
+    print0(f"problems {len(problems)} x {k} samples: {n_todo} of {len(problems) * k} trajectories to sample "
+           f"on {world} rank(s), in batches of <= {args.batch_size} problems")
 
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
     if mine:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
-    filt = dict(min_blocks=args.min_blocks, max_plan_share=args.max_plan_share,
-                require_stop=not args.allow_unfinished)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
             prompts = [teacher_prompt_ids(tokenizer, p["problem"], exemplars) for _, p in batch]
-            seed = args.seed * 1_000_003 + batch[0][0]
             samples = ex.rollout(model, tokenizer, prompts, sandbox, n=k, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                                  max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
-                                 seed=seed)
+                                 seed=args.seed * 1_000_003 + batch[0][0])  # the batch's first problem
             # 4) filter; only samples not written before (a kill may split a batch's writes)
-            kept, rejected = [], []
-            for i, (_, p) in enumerate(batch):
-                for j in range(k):
-                    if (p["id"], j) in done:
-                        continue
-                    row = ex.sample_record(p, samples[i * k + j])
-                    row.update(sample_idx=j, plan_share=plan_share(row))
-                    reasons = filter_reasons(row, **filt)
-                    if reasons:
-                        rejected.append({**row, "reasons": reasons})
-                    else:
-                        kept.append(row)
+            rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
+                    for i, (_, p) in enumerate(batch) for j in range(k) if (p["id"], j) not in done]
+            for row in rows:
+                row["plan_share"] = plan_share(row)
+            reasons = [filter_reasons(row, args.min_blocks, args.max_plan_share, not args.allow_unfinished)
+                       for row in rows]
+            kept = [row for row, why in zip(rows, reasons) if not why]
+            rejected = [{**row, "reasons": why} for row, why in zip(rows, reasons) if why]
             # 5) whole-line appends: safe across ranks (O_APPEND) and against kills
             ex.append_jsonl(out, kept)
             ex.append_jsonl(rejected_path, rejected)
-            n_new, n_kept = n_new + len(kept) + len(rejected), n_kept + len(kept)
+            n_new, n_kept = n_new + len(rows), n_kept + len(kept)
             print(f"[rank {rank}] {b + len(batch)}/{len(mine)} problems, kept {n_kept}/{n_new}, "
                   f"{time.time() - t0:.0f} s", flush=True)
 
@@ -321,9 +296,8 @@ def main(argv=None):
     barrier()
     if rank == 0:
         summary = summarize(ex.read_jsonl_tolerant(out), ex.read_jsonl_tolerant(rejected_path))
-        summary["args"] = vars(args)
-        ex.write_json_atomic(summary_path, summary)
-        print(json.dumps({k_: v for k_, v in summary.items() if k_ != "args"}, indent=2))
+        ex.write_json_atomic(summary_path, {**summary, "args": vars(args)})
+        print(json.dumps(summary, indent=2))
     cleanup_distributed()
 
 

@@ -268,11 +268,9 @@ def summarize(records) -> dict:
     trajectory_stats keys. Raises ValueError on no records."""
     if not records:
         raise ValueError("summarize: no records")
-    by_bench = defaultdict(list)
-    for r in records:
-        by_bench[r["benchmark"]].append(r)
     out = {}
-    for bench, rs in sorted(by_bench.items()):
+    for bench in sorted({r["benchmark"] for r in records}):
+        rs = [r for r in records if r["benchmark"] == bench]
         sizes = [len(v) for v in _by_problem(rs).values()]
         k = min(sizes)
         ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
@@ -521,13 +519,8 @@ def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
     on the data, --batch-size, k and seed (never on the number of ranks): rank r runs
     waves w with w % world_size == r, all k samples of a problem in one call so that the
     prompt is prefilled once."""
-    waves = []
-    for bench, problems in benches.items():
-        for s in range(0, len(problems), batch_size):
-            chunk = problems[s:s + batch_size]
-            waves.append(dict(benchmark=bench, problems=chunk,
-                              seed=wave_seed(seed, bench, [q["id"] for q in chunk], k)))
-    return waves
+    chunks = [(b, qs[s:s + batch_size]) for b, qs in benches.items() for s in range(0, len(qs), batch_size)]
+    return [dict(benchmark=b, problems=c, seed=wave_seed(seed, b, [q["id"] for q in c], k)) for b, c in chunks]
 
 
 def wave_keys(wave: dict, k: int) -> list:
@@ -584,12 +577,10 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
     write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
     print(table, flush=True)
     for bench, m in metrics.items():
-        fr = m["finish_reasons"]
-        cut = fr.get("length", 0.0) + fr.get("tool_budget", 0.0)
-        if cut > 0.5:
-            print(f"WARNING: {bench}: {100 * cut:.0f}% of samples ended on a budget (length "
-                  f"{100 * fr.get('length', 0.0):.0f}%, tool_budget {100 * fr.get('tool_budget', 0.0):.0f}%): "
-                  "raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
+        length, tools = (m["finish_reasons"].get(x, 0.0) for x in ("length", "tool_budget"))
+        if length + tools > 0.5:
+            print(f"WARNING: {bench}: {length + tools:.0%} of samples ended on a budget (length {length:.0%}, "
+                  f"tool_budget {tools:.0%}): raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
     return metrics
 
 
@@ -615,21 +606,19 @@ def run(args) -> None:
     import torch.distributed as dist
     from sft import cleanup_distributed, print0, setup_distributed
 
-    rank, local_rank, world, device = setup_distributed(args.seed)
+    # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
+    # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
+    # rollout time differences)
+    rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
-        # the end-of-run barrier waits for the slowest rank: a CPU (gloo) group with a long
-        # timeout, since NCCL's default (10 min) is far shorter than rollout time differences
-        group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
-                 if dist.is_initialized() else None)
-        mine = [w for i, w in enumerate(waves) if i % world == rank]
-        todo = [w for w in mine if any(key not in done for key in wave_keys(w, args.k))]
+        todo = [w for i, w in enumerate(waves) if i % world == rank
+                and any(key not in done for key in wave_keys(w, args.k))]
         n_items = sum(len(qs) for qs in benches.values()) * args.k
         print0(f"{len(benches)} benchmarks, {n_items // args.k} problems x k {args.k} = {n_items} samples "
                f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
                f"waves w % {world} == r); {len(done)} samples already in {args.out}")
         if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
+            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))  # creates --out
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
@@ -652,15 +641,10 @@ def run(args) -> None:
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty())
                     ids = [q["id"] for q in w["problems"]]
-                    rows = []
-                    for i, q in enumerate(w["problems"]):
-                        for j in range(args.k):
-                            if (w["benchmark"], q["id"], j) in done:
-                                continue
-                            row = ex.sample_record(q, samples[i * args.k + j])  # seed = the call's
-                            row.update(benchmark=w["benchmark"], sample_idx=j, rollout_ids=ids,
-                                       rollout_n=args.k)
-                            rows.append(row)
+                    # samples[n] is work item n of the wave (problem-major); its seed is the call's
+                    rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
+                             "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
+                            for n, key in enumerate(wave_keys(w, args.k)) if key not in done]
                     ex.append_jsonl(my_file, rows)
                     print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
                           f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s",
@@ -669,14 +653,13 @@ def run(args) -> None:
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
         #    merged_samples accepts)
-        if group is not None:
-            dist.barrier(group=group)
+        if dist.is_initialized():
+            dist.barrier()
         if rank == 0:
             rows = merged_samples(args.out)
-            order = {key: n for n, key in enumerate(key for w in waves for key in wave_keys(w, args.k))}
-            assert set(rows) == set(order), f"{len(set(order) - set(rows))} samples missing after the run"
-            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n"
-                           for key in sorted(rows, key=order.get))
+            keys = [key for w in waves for key in wave_keys(w, args.k)]
+            assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
+            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys)
             write_json_atomic(os.path.join(args.out, "samples.jsonl"), text)
             for name in os.listdir(args.out):
                 if RANK_FILE.fullmatch(name):

@@ -9,7 +9,15 @@ Objective (paper Sec. 3.3: GRPO, DAPO token-level normalisation and clip-higher,
 
 N counts the model-written tokens of the optimizer step over all ranks and micro-batches;
 prompt, interpreter-output and padding tokens are never in the loss. pi_old is the
-trainer's own forward before the step's first update (ratio exactly 1 with one update).
+trainer's own forward before the step's first update (ratio exactly 1 with one update;
+dropout is off in training, so the trainer's logprobs are the sampler's).
+
+The reward R_i is `answer_reward(sample, problem)`, called once for every sample: it is THE
+place to change for a reward ablation (or pass `reward_fn` to `main` / `grpo_step`). The
+logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
+
+Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
+one GRPO step; then bookkeeping (metrics), the prompt stream and the training loop.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
@@ -28,7 +36,7 @@ Departures from the paper (which does not describe these details):
 """
 import argparse
 import copy
-import json
+import hashlib
 import os
 import random
 import sys
@@ -39,10 +47,7 @@ import torch
 import torch.distributed as dist
 
 import executor
-from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
-from sft import (check_run_dirs, cleanup_distributed, collate, first_loss_column, grad_sync, load_optimizer_state,
-                 load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint, setup_distributed,
-                 token_logprobs, unwrap_model, wrap_model, zero_grad)
+import sft
 
 # -----------------------------------------------------------------------------
 # Config
@@ -128,90 +133,72 @@ class Dist:
 
 
 # -----------------------------------------------------------------------------
-# Data
+# Rollouts
 
 
-def solved_ids(path: str) -> set:
-    """Ids whose latest record in a pass-rate JSONL was solved n / n."""
-    latest = {}
-    for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
-        if not {"id", "n", "correct"} <= set(r):
-            raise ValueError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
-        latest[str(r["id"])] = r["correct"] == r["n"]
-    return {k for k, v in latest.items() if v}
+def mix_seed(*xs) -> int:
+    """A deterministic seed from integers (step, rank, round, ...): resuming at a step
+    reproduces its rollouts without saving generator states."""
+    h = 0
+    for x in xs:
+        h = (h * 1_000_003 + int(x) + 1) % (2 ** 61 - 1)
+    return h
 
 
-def _ids_fingerprint(problems) -> str:
-    import hashlib
-    return hashlib.sha256("\n".join(str(p["id"]) for p in problems).encode()).hexdigest()[:16]
+def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
+    """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
+    --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
+    stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
+    stats = {}
+    prompts = [executor.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    wave = args.rollout_prompts or max(1, len(prompts))
+    G = args.group_size
+    out = [None] * (len(prompts) * G)
+    was_training = policy.training  # the policy may be the trained module itself
+    policy.eval()
+    for w in range(0, len(order), wave):
+        idx = order[w:w + wave]
+        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
+                         top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
+                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats)
+        for k, i in enumerate(idx):
+            out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
+    policy.train(was_training)
+    return out, stats.get("exec_wait_s", 0.0)
 
 
-class PromptStream:
-    """The order problems are drawn in: a permutation of the list seeded by (seed, epoch).
-    Every rank walks the same order and takes its own contiguous slice of each global
-    batch, so rank shards are disjoint. State (epoch, offset, fingerprint of the id list)
-    goes into checkpoints."""
-
-    def __init__(self, problems, seed: int, rank: int = 0, world_size: int = 1):
-        assert problems, "no problems to draw from"
-        self.problems, self.seed, self.rank, self.world = problems, seed, rank, world_size
-        self.epoch, self.offset = 0, 0
-        self.fingerprint = _ids_fingerprint(problems)
-        self._order = self._perm(0)
-
-    def _perm(self, epoch):
-        order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next(self, n_global: int) -> list:
-        """This rank's share (n_global / world_size problems) of the next global batch."""
-        assert n_global % self.world == 0, (n_global, self.world)
-        batch = []
-        while len(batch) < n_global:
-            if self.offset == len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._perm(self.epoch)
-            take = min(n_global - len(batch), len(self._order) - self.offset)
-            batch += self._order[self.offset:self.offset + take]
-            self.offset += take
-        per = n_global // self.world
-        return [self.problems[i] for i in batch[self.rank * per:(self.rank + 1) * per]]
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
-
-    def load_state_dict(self, state):
-        """Continue where a checkpoint stopped. A different problem list (another file, or
-        --drop-solved) cannot continue a permutation: it starts a fresh one at epoch + 1."""
-        if state["fingerprint"] == self.fingerprint:
-            self.epoch, self.offset = state["epoch"], state["offset"]
-        else:
-            print0(f"problem list differs from the checkpoint's: new order from epoch {state['epoch'] + 1}")
-            self.epoch, self.offset = state["epoch"] + 1, 0
-        self._order = self._perm(self.epoch)
+def sync_policy(model, policy):
+    """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
+    calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
+    sd = sft.full_state_dict(model, cpu_offload=False)
+    with torch.no_grad():
+        for name, t in policy.state_dict().items():
+            if name in sd:
+                t.copy_(sd[name])
 
 
 # -----------------------------------------------------------------------------
-# Rewards and advantages
-
-
-def is_correct(sample, problem) -> bool:
-    """The answer in the model's own text equals the gold answer. `sample.pred` comes from
-    model-written tokens only, so an output block printing \\boxed{...} earns nothing (L7)."""
-    return bool(sample.pred is not None and executor.grade(sample.pred, str(problem["answer"])))
+# Rewards and group advantages
 
 
 def answer_reward(sample, problem) -> float:
-    """The paper's reward: 1[answer = ground truth]."""
+    """THE reward: called once for every sample, by `grpo_step` (and nothing else decides
+    the reward). The paper's: 1[answer = ground truth]. Change this function (or pass
+    `reward_fn` to `main`) for an ablation; the logged accuracy stays `is_correct`."""
     return float(is_correct(sample, problem))
+
+
+def is_correct(sample, problem) -> bool:
+    """The answer in the model's own text equals the gold answer (the logged accuracy).
+    `sample.pred` comes from model-written tokens only, so an output block printing
+    \\boxed{...} earns nothing (tests/faults.md L7)."""
+    return bool(sample.pred is not None and executor.grade(sample.pred, str(problem["answer"])))
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards -> (N / G,) bool: groups whose rewards are all equal (no signal)."""
-    r = rewards.reshape(-1, group_size)  # (N/G, G)
-    if r.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool)
+    r = rewards.reshape(-1, group_size)  # (N/G, G); N = 0 gives (0,)
     return r.max(dim=1).values == r.min(dim=1).values
 
 
@@ -231,17 +218,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         return torch.zeros(rewards.shape, dtype=torch.float32)
     r = rewards.to(torch.float64).reshape(-1, group_size)  # (N/G, G)
     const = constant_groups(rewards, group_size)[:, None]  # (N/G, 1)
-    mean = r.mean(dim=1, keepdim=True)  # (N/G, 1)
-    std = r.std(dim=1, unbiased=True, keepdim=True)  # (N/G, 1)
-    std = torch.where(const, torch.ones_like(std), std)  # no 0 / 0 anywhere
-    adv = torch.where(const, torch.zeros_like(r), (r - mean) / std)  # (N/G, G)
+    std = torch.where(const, 1.0, r.std(dim=1, unbiased=True, keepdim=True))  # (N/G, 1), no 0 / 0 anywhere
+    adv = torch.where(const, 0.0, (r - r.mean(dim=1, keepdim=True)) / std)  # (N/G, G)
     return adv.reshape(-1).to(torch.float32)
 
 
 # -----------------------------------------------------------------------------
 # Loss
-
-
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, eps_low: float = 0.20, eps_high: float = 0.28,
                 normalizer=None, entropy: torch.Tensor | None = None):
@@ -305,21 +288,19 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
     (position t holds token t and the logprob of predicting it).
 
     Args:
-        samples: executor `Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
+        samples: `executor.Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
         advantages: (B,) one per sample.
     Returns dict of (B, T) input_ids, attention_mask (from lengths, never from pad ids),
         position_ids, roles; loss_mask (B, T) bool = roles == ROLE_MODEL; sampler_logprobs
         (B, T) (NaN off model tokens); advantages (B,) float32.
     """
-    for s in samples:
-        assert len(s.ids) == len(s.roles) == len(s.logprobs), "ids, roles and logprobs must align"
-    mb = collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
+    assert all(len(s.ids) == len(s.roles) == len(s.logprobs) for s in samples), "ids, roles and logprobs must align"
+    mb = sft.collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
     B, T = mb["input_ids"].shape
-    slp = torch.full((B, T), float("nan"))  # (B, T)
+    mb["sampler_logprobs"] = torch.full((B, T), float("nan"))  # (B, T)
     for b, s in enumerate(samples):
-        slp[b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
-    mb["loss_mask"] = mb["roles"] == ROLE_MODEL  # (B, T)
-    mb["sampler_logprobs"] = slp
+        mb["sampler_logprobs"][b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    mb["loss_mask"] = mb["roles"] == executor.ROLE_MODEL  # (B, T)
     mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(B)  # (B,)
     return mb
 
@@ -327,94 +308,27 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
 def dummy_batch(pad_id: int = 0) -> dict:
     """One 2-token sequence with no loss token. A rank with fewer micro-batches than another
     runs these so that every rank does the same forwards and backwards: DDP's gradient
-    all-reduce and FSDP's gathers are collectives inside them (case D3)."""
-    mb = collate([{"ids": [pad_id, pad_id], "roles": [ROLE_PROMPT, ROLE_PROMPT]}], pad_id)
-    mb.update(loss_mask=torch.zeros((1, 2), dtype=torch.bool), sampler_logprobs=torch.full((1, 2), float("nan")),
-              advantages=torch.zeros(1))
-    return mb
-
-
-def split_even(items, k: int) -> list:
-    """k contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    q, r = divmod(len(items), k)
-    out, i = [], 0
-    for j in range(k):
-        n = q + (j < r)
-        out.append(items[i:i + n])
-        i += n
-    return out
+    all-reduce and FSDP's gathers are collectives inside them (tests/faults.md D3)."""
+    prompt = executor.Sample(prompt_ids=[pad_id] * 2, ids=[pad_id] * 2, roles=[executor.ROLE_PROMPT] * 2,
+                             logprobs=[float("nan")] * 2)
+    return make_batch([prompt], torch.zeros(1), pad_id)
 
 
 # -----------------------------------------------------------------------------
-# Rollout
-
-
-def mix_seed(*xs) -> int:
-    """A deterministic seed from integers (step, rank, round, ...): resuming at a step
-    reproduces its rollouts without saving generator states."""
-    h = 0
-    for x in xs:
-        h = (h * 1_000_003 + int(x) + 1) % (2 ** 61 - 1)
-    return h
-
-
-def sync_policy(model, policy):
-    """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
-    calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
-    lm = unwrap_model(model)
-    if any(type(p).__name__ == "DTensor" for p in lm.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-        sd = {k.removeprefix("lm."): v for k, v in sd.items()}
-    else:
-        sd = lm.state_dict()
-    with torch.no_grad():
-        for name, t in policy.state_dict().items():
-            if name in sd:
-                t.copy_(sd[name])
-
-
-def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=rollout):
-    """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
-    --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
-    stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
-    stats = {}
-    prompts = [build_prompt_ids(tokenizer, p["problem"]) for p in problems]
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave = args.rollout_prompts or max(1, len(prompts))
-    G = args.group_size
-    out = [None] * (len(prompts) * G)
-    was_training = policy.training  # the policy may be the trained module itself
-    policy.eval()
-    for w in range(0, len(order), wave):
-        idx = order[w:w + wave]
-        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
-                         top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats)
-        for k, i in enumerate(idx):
-            out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
-    policy.train(was_training)
-    return out, stats.get("exec_wait_s", 0.0)
-
-
-# -----------------------------------------------------------------------------
-# Training step
-
-
-def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return t
+# The update
 
 
 def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
     """(B, T) logprobs of each token at the sampling temperature (chunked head, sft.py),
-    and (B, T) entropy or None; under bf16 autocast on CUDA."""
+    with (B, T) entropy if asked; under bf16 autocast on CUDA."""
     with torch.autocast(d.device.type, dtype=d.autocast_dtype or torch.float32, enabled=d.autocast_dtype is not None):
-        out = token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
-                             mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
-                             return_entropy=with_entropy, start=first_loss_column(mb["loss_mask"]))
-    return out if with_entropy else (out, None)
+        return sft.token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
+                                  mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
+                                  return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
+
+
+TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # policy_loss's per-token metrics
+TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "logprob_diff")
 
 
 def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0) -> dict:
@@ -426,13 +340,12 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         model: the policy as `sft.wrap_model` returned it, in train mode.
         samples: this rank's samples to learn from; advantages: (len(samples),).
     Returns:
-        dict of this rank's sums (loss tokens, clip counts, KL, entropy, sampler/trainer
-        logprob gap) plus grad_norm (sum over optimizer steps) and optimizer_steps, both
-        already identical on every rank.
+        dict of this rank's sums (TRAIN_SUMS: loss tokens, and clip counts, KL, entropy and
+        |trainer - sampler| logprob gap summed over loss tokens) plus grad_norm (sum over
+        optimizer steps) and optimizer_steps, both already identical on every rank.
     """
     K = args.updates_per_step
-    dev = d.device
-    # 1) mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
+    # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
     minis = []
     for chunk in split_even(list(range(len(samples))), K):
         chunk = sorted(chunk, key=lambda i: -len(samples[i].ids))
@@ -440,72 +353,67 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         minis.append([make_batch([samples[i] for i in c], advantages[c], pad_id) for c in cuts])
     # 2) global sizes, fixed before any micro-step: the loss tokens of each mini-batch over
     #    all ranks (the normaliser) and the most micro-batches any rank has (ranks with
-    #    fewer run dummy micro-batches so that their collectives pair up, case D3)
-    tokens = _all_reduce(torch.tensor([float(sum(int(mb["loss_mask"].sum()) for mb in m)) for m in minis],
-                                      dtype=torch.float64, device=dev)).tolist()
-    n_micro = _all_reduce(torch.tensor([len(m) for m in minis], dtype=torch.int64, device=dev),
-                          dist.ReduceOp.MAX).tolist()
-
-    def micro(k, m):
-        return minis[k][m] if m < len(minis[k]) else dummy_batch(pad_id)
-
+    #    fewer run dummy micro-batches so that their collectives pair up, tests/faults.md D3)
+    tokens = sft.all_reduce(torch.tensor([float(sum(int(mb["loss_mask"].sum()) for mb in m)) for m in minis],
+                                         dtype=torch.float64, device=d.device)).tolist()
+    n_micro = sft.all_reduce(torch.tensor([len(m) for m in minis], device=d.device), dist.ReduceOp.MAX).tolist()
+    for k, m in enumerate(minis):
+        m += [dummy_batch(pad_id) for _ in range(n_micro[k] - len(m))]
     # 3) old logprobs: the trainer's own forward before any update. Mini-batch 0 uses its
     #    first forward, detached (the same computation), so its ratio is exactly 1; later
     #    mini-batches need a no-grad pass now, before the first optimizer step.
-    olds = {}
     with torch.no_grad():
-        for k in range(1, K):
-            for m in range(n_micro[k] if tokens[k] > 0 else 0):
-                olds[k, m] = _logprobs(model, micro(k, m), args, d, False)[0]
-
+        olds = {(k, j): _logprobs(model, mb, args, d, False)
+                for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
-    acc = {n: torch.zeros((), dtype=torch.float64, device=dev) for n in
-           ("loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff")}
+    acc = dict.fromkeys(TRAIN_SUMS, 0.0)
     grad_norm, steps = 0.0, 0
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
-        # DDP / FSDP average gradients over ranks; dividing by tokens / world_size instead
-        # of tokens turns that average into the sum: grad = sum of token losses / N.
-        normalizer = tokens[k] / d.world_size
-        for m in range(n_micro[k]):
-            mb = micro(k, m)
+        for j, mb in enumerate(minis[k]):
             # gradients are all-reduced on the last micro-step only (sft.grad_sync)
-            with grad_sync(model, sync=m == n_micro[k] - 1):
+            with sft.grad_sync(model, sync=j == n_micro[k] - 1):
                 lp, ent = _logprobs(model, mb, args, d, True)  # (B, T), (B, T)
-                old = olds[k, m] if k > 0 else lp.detach()  # (B, T)
-                mask = mb["loss_mask"].to(dev)  # (B, T)
-                loss, met = policy_loss(lp, old, mb["advantages"].to(dev), mask, args.eps_low, args.eps_high,
-                                        normalizer=normalizer, entropy=ent)
+                mask = mb["loss_mask"].to(d.device)  # (B, T)
+                # DDP / FSDP average gradients over ranks; dividing by tokens / world_size
+                # instead of tokens turns that average into the sum: grad = sum of token losses / N
+                loss, met = policy_loss(lp, olds[k, j] if k > 0 else lp.detach(), mb["advantages"].to(d.device),
+                                        mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
                 loss.backward()
-            n = met["tokens"].double()
-            acc["loss_tokens"] += n
-            for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy"):
-                acc[name] += met[name].double() * n
-            slp = mb["sampler_logprobs"].to(dev)  # (B, T), NaN off model tokens
-            acc["logprob_diff"] += torch.where(mask, (old.float() - slp).abs(), torch.zeros_like(slp)).sum().double()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if hasattr(gn, "full_tensor"):  # FSDP: a DTensor
-            gn = gn.full_tensor()
-        grad_norm += float(gn)
-        optimizer.step()
-        zero_grad(optimizer, model)
+            # sums stay on the device until the end (no host sync inside the loop)
+            for name in TOKEN_MEANS:
+                acc[name] += met[name].double() * met["tokens"]
+            acc["loss_tokens"] += met["tokens"].double()
+            gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
+            acc["logprob_diff"] += torch.where(mask, gap, 0.0).sum().double()
+        grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
         steps += 1
-    out = {n: float(v) for n, v in acc.items()}
-    out.update(grad_norm=grad_norm, optimizer_steps=steps)
-    return out
+    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm, "optimizer_steps": steps}
+
+
+def split_even(items, k: int) -> list:
+    """k contiguous chunks whose sizes differ by at most one (some may be empty)."""
+    q, r = divmod(len(items), k)
+    bounds = [j * q + min(j, r) for j in range(k + 1)]
+    return [items[bounds[j]:bounds[j + 1]] for j in range(k)]
+
+
+# -----------------------------------------------------------------------------
+# One GRPO step
 
 
 def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
-              reward_fn=None, rollout_fn=rollout):
-    """One GRPO step, called on every rank.
+              reward_fn=None, rollout_fn=executor.rollout):
+    """One GRPO step, called on every rank: rollouts, rewards, group advantages, the update.
 
     Args:
         model: the trained policy as `sft.wrap_model` returned it.
-        policy: the plain module the sampler runs (no collective inside its forward, case D2),
-            already holding the current weights (`sync_policy`).
+        policy: the plain module the sampler runs (no collective inside its forward,
+            tests/faults.md D2), already holding the current weights (`sync_policy`).
         draw: () -> this rank's share of the next --prompts-per-step problems.
-        reward_fn: (sample, problem) -> float; default `answer_reward` (the paper's).
+        reward_fn: (sample, problem) -> float, called for every sample; default
+            `answer_reward` (the paper's), looked up at each call.
         rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
@@ -516,44 +424,23 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     t_start = time.perf_counter()
     # 1) rollouts -> rewards -> group advantages; groups with equal rewards are dropped.
     #    With --dynamic-sampling, more rounds until the step has enough groups with signal.
-    kept, kept_adv, records = [], [], []
-    S = dict.fromkeys(("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens",
-                       "tool_calls", "exec_errors", "finish_stop", "finish_length", "finish_tool_budget"), 0.0)
-    t_exec, rounds = 0.0, 0
+    kept, kept_adv, rounds, t_exec = [], [], [], 0.0
     while True:
         problems = draw()
         samples, secs = collect_rollouts(policy, tokenizer, problems, sandbox, args,
-                                         mix_seed(args.seed, step, d.rank, rounds), rollout_fn)
-        t_exec += secs
-        correct = [is_correct(s, problems[i // G]) for i, s in enumerate(samples)]
-        rewards = torch.tensor([float(c) if reward_fn is answer_reward else float(reward_fn(s, problems[i // G]))
-                                for i, (s, c) in enumerate(zip(samples, correct))])  # (N,)
+                                         mix_seed(args.seed, step, d.rank, len(rounds)), rollout_fn)
+        rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
         adv = group_advantages(rewards, G)  # (N,)
-        const = constant_groups(rewards, G)  # (N / G,)
-        for g, prob in enumerate(problems):
-            records.append({"step": step, "id": prob["id"], "n": G, "correct": int(sum(correct[g * G:(g + 1) * G])),
-                            "reward": float(rewards[g * G:(g + 1) * G].sum())})
-            if not const[g]:
+        for g, const in enumerate(constant_groups(rewards, G).tolist()):
+            if not const:
                 kept += samples[g * G:(g + 1) * G]
                 kept_adv.append(adv[g * G:(g + 1) * G])
-        S["samples"] += len(samples)
-        S["reward"] += float(rewards.sum())
-        S["correct"] += sum(correct)
-        S["groups"] += len(problems)
-        S["zero_var_groups"] += int(const.sum())
-        for s in samples:
-            S["model_tokens"] += s.n_model_tokens
-            S["tool_calls"] += len(s.blocks or [])
-            S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
-            key = "finish_" + s.finish_reason
-            assert key in S, f"unknown finish_reason {s.finish_reason!r}"  # keys must match across ranks
-            S[key] += 1
-        rounds += 1
-        if not args.dynamic_sampling or rounds >= args.max_sampling_rounds:
+        rounds.append((problems, samples, rewards))
+        t_exec += secs
+        if not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds:
             break
-        n_kept = _all_reduce(torch.tensor([len(kept) // G], device=d.device))  # every rank, same answer
-        if int(n_kept) >= args.prompts_per_step:
-            break
+        if int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step:
+            break  # every rank sees the same global count
     t_rollout = time.perf_counter() - t_start - t_exec
 
     # 2) the update, on the kept groups only
@@ -561,45 +448,59 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id)
-    t_train = time.perf_counter() - t0
+    times = [t_rollout, t_exec, time.perf_counter() - t0]
+    return step_metrics(step, rounds, upd, times, G, optimizer, d)
 
-    # 3) (sum, count) pairs summed over ranks; every rank computes the same numbers
-    keys = sorted(S) + ["loss_tokens", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "logprob_diff"]
-    vals = [S[k] if k in S else upd[k] for k in keys]
-    tot = dict(zip(keys, _all_reduce(torch.tensor(vals, dtype=torch.float64, device=d.device)).tolist()))
-    times = _all_reduce(torch.tensor([t_rollout, t_exec, t_train], dtype=torch.float64, device=d.device),
-                        dist.ReduceOp.MAX).tolist()  # the slowest rank sets the pace
-    if dist.is_initialized() and d.world_size > 1:
+
+# -----------------------------------------------------------------------------
+# Bookkeeping: metrics and pass rates
+
+ROLLOUT_SUMS = ("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens", "tool_calls",
+                "exec_errors", "finish_stop", "finish_length", "finish_tool_budget")  # the same order on every rank
+SHARES = {  # metric: (numerator, denominator), sums over the step's samples on every rank
+    "reward_mean": ("reward", "samples"), "accuracy": ("correct", "samples"),
+    "zero_var_share": ("zero_var_groups", "groups"), "model_tokens_per_sample": ("model_tokens", "samples"),
+    "tool_calls_per_sample": ("tool_calls", "samples"), "exec_errors_per_sample": ("exec_errors", "samples"),
+    "exec_error_rate": ("exec_errors", "tool_calls"), "finish_length_share": ("finish_length", "samples"),
+    "finish_tool_budget_share": ("finish_tool_budget", "samples"),
+}
+
+
+def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimizer, d: Dist):
+    """The step's metrics (reduced over ranks; the slowest rank's times) and per-prompt pass
+    rates (gathered on rank 0) from each sampling round's (problems, samples, rewards) and
+    `update_policy`'s sums. Training metrics are None when no group had signal (not a
+    misleading 0). Returns (metrics, records) as `grpo_step`."""
+    S, records = dict.fromkeys(ROLLOUT_SUMS, 0.0), []
+    for problems, samples, rewards in rounds:
+        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)], dtype=torch.long)
+        for prob, c, r in zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
+            records.append({"step": step, "id": prob["id"], "n": G, "correct": c, "reward": r})
+        S["groups"] += len(problems)
+        S["zero_var_groups"] += int(constant_groups(rewards, G).sum())
+        S["reward"] += float(rewards.sum())
+        S["correct"] += int(correct.sum())
+        for s in samples:
+            S["samples"] += 1
+            S["model_tokens"] += s.n_model_tokens
+            S["tool_calls"] += len(s.blocks or [])
+            S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
+            S["finish_" + s.finish_reason] += 1  # a KeyError for an unknown reason: keys must match across ranks
+    sums = torch.tensor([*S.values(), *(upd[k] for k in TRAIN_SUMS)], dtype=torch.float64, device=d.device)
+    tot = dict(zip([*S, *TRAIN_SUMS], sft.all_reduce(sums).tolist()))
+    times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
+    if d.world_size > 1:
         parts = [None] * d.world_size
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
         records = [r for p in parts for r in p]
-    n, nt = max(tot["samples"], 1.0), max(tot["loss_tokens"], 1.0)
-    metrics = {
-        "step": step,
-        "reward_mean": tot["reward"] / n,
-        "accuracy": tot["correct"] / n,
-        "zero_var_share": tot["zero_var_groups"] / max(tot["groups"], 1.0),
-        "groups": int(tot["groups"]),
-        "model_tokens_per_sample": tot["model_tokens"] / n,
-        "tool_calls_per_sample": tot["tool_calls"] / n,
-        "exec_errors_per_sample": tot["exec_errors"] / n,
-        "exec_error_rate": tot["exec_errors"] / max(tot["tool_calls"], 1.0),
-        "finish_length_share": tot["finish_length"] / n,
-        "finish_tool_budget_share": tot["finish_tool_budget"] / n,
-        "loss_tokens": int(tot["loss_tokens"]),
-    }
-    # training metrics exist only when some group had signal (else null, not a misleading 0)
-    trained = tot["loss_tokens"] > 0
-    for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy"):
-        metrics[name] = tot[name] / nt if trained else None
-    metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if trained else None  # |trainer - sampler| per token
-    metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if trained else None
-    metrics.update({
-        "optimizer_steps": upd["optimizer_steps"],
-        "sampling_rounds": rounds,
-        "lr": optimizer.param_groups[0]["lr"],
-        "time_rollout": times[0], "time_exec": times[1], "time_train": times[2],
-    })
+    nt = tot["loss_tokens"]
+    metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt)}
+    metrics.update({name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()})
+    metrics.update({name: tot[name] / nt if nt else None for name in TOKEN_MEANS})
+    metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if nt else None  # |trainer - sampler| per token
+    metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if nt else None
+    metrics.update(optimizer_steps=upd["optimizer_steps"], sampling_rounds=len(rounds),
+                   lr=optimizer.param_groups[0]["lr"], time_rollout=times[0], time_exec=times[1], time_train=times[2])
     return metrics, (records if d.rank == 0 else [])
 
 
@@ -615,79 +516,124 @@ def budget_warning(metrics) -> str | None:
 
 
 # -----------------------------------------------------------------------------
+# Data: the order problems are drawn in
+
+
+def solved_ids(path: str) -> set:
+    """Ids whose latest record in a pass-rate JSONL was solved n / n."""
+    latest = {}
+    for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
+        if not {"id", "n", "correct"} <= set(r):
+            raise ValueError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
+        latest[str(r["id"])] = r["correct"] == r["n"]
+    return {k for k, v in latest.items() if v}
+
+
+class PromptStream:
+    """The order problems are drawn in: a permutation of the list seeded by (seed, epoch).
+    Every rank walks the same order and takes its own contiguous slice of each global
+    batch, so rank shards are disjoint. State (epoch, offset, fingerprint of the id list)
+    goes into checkpoints."""
+
+    def __init__(self, problems, seed: int, rank: int = 0, world_size: int = 1):
+        assert problems, "no problems to draw from"
+        self.problems, self.seed, self.rank, self.world = problems, seed, rank, world_size
+        self.fingerprint = hashlib.sha256("\n".join(str(p["id"]) for p in problems).encode()).hexdigest()[:16]
+        self._start(0, 0)
+
+    def _start(self, epoch: int, offset: int):
+        self.epoch, self.offset = epoch, offset
+        self._order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+
+    def next(self, n_global: int) -> list:
+        """This rank's share (n_global / world_size problems) of the next global batch."""
+        assert n_global % self.world == 0, (n_global, self.world)
+        batch = []
+        while len(batch) < n_global:
+            if self.offset == len(self._order):
+                self._start(self.epoch + 1, 0)
+            take = min(n_global - len(batch), len(self._order) - self.offset)
+            batch += self._order[self.offset:self.offset + take]
+            self.offset += take
+        per = n_global // self.world
+        return [self.problems[i] for i in batch[self.rank * per:(self.rank + 1) * per]]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state):
+        """Continue where a checkpoint stopped. A different problem list (another file, or
+        --drop-solved) cannot continue a permutation: it starts a fresh one at epoch + 1."""
+        if state["fingerprint"] == self.fingerprint:
+            self._start(state["epoch"], state["offset"])
+        else:
+            sft.print0(f"problem list differs from the checkpoint's: new order from epoch {state['epoch'] + 1}")
+            self._start(state["epoch"] + 1, 0)
+
+
+# -----------------------------------------------------------------------------
 # Training loop
 
 
 def main(argv=None, reward_fn=None):
-    """Run GRPO from the command line. `reward_fn` (sample, problem) -> float replaces the
-    paper's reward when called from Python (tests); the command line always uses it."""
+    """Run GRPO from the command line. `reward_fn` (sample, problem) -> float replaces
+    `answer_reward` when called from Python (tests)."""
     args = parse_args(argv)
-    assert args.model or args.resume, "--model or --resume is required"
-    rank, local_rank, world, device = setup_distributed(args.seed)
-    args.resume = check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
+    rank, _, world, device = sft.setup_distributed(args.seed)
+    args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     # derived sizes
     assert args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} % {world} ranks != 0"
-    per_rank = args.prompts_per_step // world
-    print0(f"{args.prompts_per_step} prompts x G {args.group_size} = {args.prompts_per_step * args.group_size} "
-           f"samples per step; {per_rank} prompts ({per_rank * args.group_size} samples) per rank x {world} ranks; "
-           f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}")
-    print0("regime: " + ("on-policy, one update per rollout batch: ratio exactly 1, clip fractions 0"
-                         if args.updates_per_step == 1 else
-                         f"{args.updates_per_step} mini-batch updates per rollout batch: clipping active "
-                         "after the first"))
+    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} per step over {world} ranks; "
+               f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
+               ("on-policy: ratio exactly 1, clip fractions 0" if args.updates_per_step == 1 else
+                "clipping active after the first update"))
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
 
     # 1) data
     problems = executor.read_problems(args.data)
     if args.drop_solved:
         solved = solved_ids(args.drop_solved)
-        n0 = len(problems)
+        sft.print0(f"--drop-solved: dropping {sum(p['id'] in solved for p in problems)} of {len(problems)} "
+                   f"prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
-        print0(f"--drop-solved: dropped {n0 - len(problems)} of {n0} prompts solved G/G in {args.drop_solved}")
     stream = PromptStream(problems, args.seed, rank, world)
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
-    lm, tokenizer = load_model(args.resume or args.model, dtype="float32", device="cpu")
+    lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
     roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
     # module itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
     share = not args.fsdp and roll_dtype == torch.float32
     policy = None if share else copy.deepcopy(lm).to(device=device, dtype=roll_dtype).requires_grad_(False)
-    model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
-    policy = unwrap_model(model) if share else policy
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, args.lr, args.weight_decay, shard=args.shard_optimizer)
+    model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
+    policy = sft.unwrap_model(model) if share else policy
+    optimizer = sft.make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
+                                   shard=args.shard_optimizer)
     step = 0
     if args.resume:
-        st = load_trainer_state(args.resume)
+        st = sft.load_trainer_state(args.resume, None if args.reset_optimizer else optimizer)
         step = st["step"]
         if not args.reset_optimizer:
-            load_optimizer_state(optimizer, st, args.resume)
             stream.load_state_dict(st["data"])
-            random.setstate(st["rng"]["python"])
-            torch.set_rng_state(st["rng"]["torch"])
-        print0(f"resumed from {args.resume} at step {step}" + (" (optimizer and data order fresh)"
-                                                                if args.reset_optimizer else ""))
+        fresh = " (optimizer and data order fresh)" if args.reset_optimizer else ""
+        sft.print0(f"resumed from {args.resume} at step {step}{fresh}")
         if rank == 0:
             for name in ("metrics.jsonl", "pass_rates.jsonl"):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     def save(name):
-        state = {"step": step, **optimizer_state(optimizer), "data": stream.state_dict(),
-                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}, "world_size": world}
-        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+        state = {"step": step, "data": stream.state_dict()}
+        sft.save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, optimizer)
 
     # 3) the loop
     from tqdm import tqdm
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // local)
+    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0 or args.no_progress, desc="grpo", unit="step")
-    with Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+    with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             if not share:
@@ -710,8 +656,8 @@ def main(argv=None, reward_fn=None):
                 save(f"step_{step:06d}")
     bar.close()
     latest = os.path.join(args.out, "latest")
-    print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
-    cleanup_distributed()
+    sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
+    sft.cleanup_distributed()
 
 
 if __name__ == "__main__":

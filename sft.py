@@ -55,26 +55,19 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
     Returns (rank, local_rank, world_size, device).
     """
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    import numpy as np
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
-    _seed_all(seed + rank)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
     return rank, local_rank, world_size, device
-
-
-def _seed_all(seed: int):
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _rank() -> int:
@@ -98,11 +91,12 @@ def _barrier():
         dist.barrier()
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (returns a new tensor; identity on one process)."""
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce a tensor over ranks (`op`: sum by default); returns a new tensor, a copy on
+    one process. The one all-reduce helper of every stage."""
     x = x.clone()
     if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(x, op=op)
     return x
 
 
@@ -115,10 +109,8 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, chunk_size=1024, temperature=1.0, entropy=False,
-                start=0):
-        return _lm_token_logprobs(self.lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy,
-                                  start)
+    def forward(self, *args):
+        return _lm_token_logprobs(self.lm, *args)
 
 
 def _is_ddp(model) -> bool:
@@ -128,37 +120,37 @@ def _is_ddp(model) -> bool:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a DDP / FSDP / LogprobModel wrapper (for rollouts and
     saving). Under FSDP its parameters are sharded DTensors."""
-    if _is_ddp(model):
-        model = model.module
-    if isinstance(model, LogprobModel):
-        model = model.lm
+    model = model.module if _is_ddp(model) else model
+    return model.lm if isinstance(model, LogprobModel) else model
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off everywhere, the model staying in train mode otherwise (as TRL does):
+    the trainer's logprobs must be the sampler's (eval) logprobs, so that GRPO's ratio is
+    exactly 1 before an update (tests/faults.md L9). Covers nn.Dropout modules and the
+    `attention_dropout` attribute Hugging Face attention reads in train mode."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
     return model
-
-
-def zero_grad(optimizer, model: nn.Module):
-    """Clear the gradients after an optimizer step. Under DDP they are views into its
-    all-reduce buckets (`gradient_as_bucket_view`) and are zeroed in place: set to None,
-    the next micro-steps under no_sync would allocate a second full copy of them."""
-    optimizer.zero_grad(set_to_none=not _is_ddp(model))
 
 
 def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing: bool = False) -> nn.Module:
     """Prepare a Hugging Face causal LM for training on this rank.
 
-    Moves it to `device`, enables (non-reentrant) gradient checkpointing if asked, and with
-    more than one rank wraps it: DDP, or with `fsdp` PyTorch's `fully_shard` on every decoder
-    layer and on the root (bf16 compute, fp32 reduce on CUDA). With one rank it returns the
-    model itself. Call `token_logprobs` on the result; `unwrap_model` gets the HF model back.
+    Moves it to `device`, turns dropout off (`disable_dropout`), enables (non-reentrant)
+    gradient checkpointing if asked, and with more than one rank wraps it: DDP, or with
+    `fsdp` PyTorch's `fully_shard` on every decoder layer and on the root (bf16 compute, fp32
+    reduce on CUDA). With one rank it returns the model itself. Call `token_logprobs` on the
+    result; `unwrap_model` gets the HF model back.
     """
     device = torch.device(device)
-    model = model.to(device)
+    model = disable_dropout(model.to(device)).train()
     if grad_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    model.train()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return model
@@ -173,8 +165,7 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
-    layer_names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
     assert layers, f"--fsdp: no decoder layers found in {type(model).__name__} (_no_split_modules)"
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -185,17 +176,13 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, sync: bool):
-    """Context for one micro-step's backward. Under DDP with sync=False, gradients are only
-    accumulated locally: all-reducing on every micro-step would send the same bytes `accum`
-    times for nothing, so we sync once, on the last micro-step. FSDP reduce-scatters every
-    micro-step (skipping it would keep full unsharded gradients in memory, which is what
-    FSDP is used to avoid). Without a wrapper it does nothing."""
-    if _is_ddp(model) and not sync:
-        with model.no_sync():
-            yield
-    else:
+    """Context for one micro-step's forward and backward. Under DDP with sync=False,
+    gradients are only accumulated locally: all-reducing on every micro-step would send the
+    same bytes `accum` times for nothing, so we sync once, on the last micro-step. FSDP
+    reduce-scatters every micro-step (skipping it would keep full unsharded gradients in
+    memory, which is what FSDP is used to avoid). Without a wrapper it does nothing."""
+    with model.no_sync() if _is_ddp(model) and not sync else contextlib.nullcontext():
         yield
-
 
 # -----------------------------------------------------------------------------
 # Logprobs and loss
@@ -204,7 +191,7 @@ def grad_sync(model: nn.Module, sync: bool):
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) 0/1 mask -> (B, T) long position ids: cumsum(mask) - 1, so the first real token
     of every row is at position 0 whatever the padding (left or right); pads get 0. The
-    sampler uses the same rule (case G2)."""
+    sampler uses the same rule (tests/faults.md G2)."""
     return (torch.cumsum(attention_mask.long(), dim=-1) - 1).clamp(min=0)
 
 
@@ -224,16 +211,15 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
 
 
 def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
-    softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)
-    assert not softcap, "token_logprobs: final logit soft-capping is not supported"
+    assert not getattr(getattr(lm, "config", None), "final_logit_softcapping", None), \
+        "token_logprobs: final logit soft-capping is not supported"
     body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else lm.lm_head
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state  # (B, T, H)
     B, T = input_ids.shape
     first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
-    logps = [torch.zeros(B, first, device=hidden.device)]
-    ents = [torch.zeros(B, first, device=hidden.device)]
+    logps, ents = [torch.zeros(B, first, device=hidden.device)], [torch.zeros(B, first, device=hidden.device)]
     for s in range(first - 1, T - 1, chunk_size):
         e = min(s + chunk_size, T - 1)
         h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
@@ -294,7 +280,7 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
     The normaliser is the number of loss tokens in the whole optimizer step (all micro-
     batches, all ranks), so summing this loss over micro-steps and ranks gives exactly the
     token mean of the step (style rule 8). Masked positions contribute exactly 0 (where, not
-    multiply, so a NaN there cannot leak); an all-masked batch gives 0, not NaN (case F5).
+    multiply, so a NaN there cannot leak); an all-masked batch gives 0, not NaN (tests/faults.md F5).
     """
     assert logprobs.dim() == 2 and logprobs.shape == loss_mask.shape, (logprobs.shape, loss_mask.shape)
     nll = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs))  # (B, T)
@@ -456,9 +442,8 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
     masks = [loss_mask_from_roles(mb["roles"], mask_outputs) for mb in micro_batches]
-    n_local = torch.tensor([float(sum(int(m.sum()) for m in masks)),
-                            float(sum(int(mb["attention_mask"].sum()) for mb in micro_batches))], device=device)
-    n_loss, n_tok = all_reduce_sum(n_local).tolist()
+    n_local = [float(sum(int(m.sum()) for m in masks)), float(sum(int(mb["attention_mask"].sum()) for mb in micro_batches))]
+    n_loss, n_tok = all_reduce(torch.tensor(n_local, device=device)).tolist()
     nll_sum = torch.zeros((), device=device)
     for k, (mb, mask) in enumerate(zip(micro_batches, masks)):
         with grad_sync(model, sync=k == len(micro_batches) - 1), \
@@ -468,8 +453,18 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
             loss, m = masked_token_loss(logp, mask, n_loss)
             (loss * world).backward()
         nll_sum += m["nll_sum"]
-    nll_sum = all_reduce_sum(nll_sum)
-    return {"nll_sum": float(nll_sum), "n_loss_tokens": n_loss, "n_tokens": n_tok}
+    return {"nll_sum": float(all_reduce(nll_sum)), "n_loss_tokens": n_loss, "n_tokens": n_tok}
+
+
+def optimizer_step(model, optimizer, grad_clip: float) -> float:
+    """Clip the global gradient norm to `grad_clip` (0 = no clipping), step, and clear the
+    gradients. Returns the norm before clipping. Under DDP the gradients are views into its
+    all-reduce buckets (`gradient_as_bucket_view`) and are zeroed in place: set to None,
+    the next micro-steps under no_sync would allocate a second full copy of them."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=not _is_ddp(model))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
 
 
 def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
@@ -485,40 +480,50 @@ def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) 
 # Save / resume
 
 
-def _full_state_dict(model):
-    """Full (unsharded) model state dict: on every rank for DDP / one process, on rank 0
-    only (CPU) for FSDP, where every rank must call it."""
+def _is_sharded(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP's parameters
+
+
+def full_state_dict(model, cpu_offload: bool = True) -> dict:
+    """The Hugging Face model's full (unsharded) state dict. Without FSDP, the module's own.
+    Under FSDP every rank must call it (it gathers the shards); with `cpu_offload` (saving)
+    rank 0 alone gets the tensors, on CPU; without (the GRPO rollout copy) every rank gets
+    them on its device."""
     lm = unwrap_model(model)
-    if any(type(p).__name__ == "DTensor" for p in lm.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        sd = {k.removeprefix("lm."): v for k, v in sd.items()}
-        first = {}  # tied weights (embeddings / lm_head) gathered as two copies: share one again,
-        for name, p in lm.named_parameters(remove_duplicate=False):  # so save_pretrained drops the tie
-            if id(p) in first and name in sd:
-                sd[name] = sd[first[id(p)]]
-            first.setdefault(id(p), name)
-        return sd
-    return None  # save_pretrained reads the module itself
+    if not _is_sharded(lm):
+        return lm.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    sd = {k.removeprefix("lm."): v for k, v in get_model_state_dict(model, options=opts).items()}
+    first = {}  # tied weights (embeddings / lm_head) gathered as two copies: share one again,
+    for name, p in lm.named_parameters(remove_duplicate=False):  # so save_pretrained keeps the tie
+        if id(p) in first and name in sd:
+            sd[name] = sd[first[id(p)]]
+        first.setdefault(id(p), name)
+    return sd
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None):
+def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None,
+                    optimizer=None):
     """Write a Hugging Face model directory atomically (temp dir, then rename).
 
     out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
-    this rank's `trainer_state` as trainer_state_rank{r}.pt. Call on every rank (FSDP gathers
-    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded from
-    GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
+    this rank's `trainer_state` (the stage's entries: step, data position) as
+    trainer_state_rank{r}.pt, to which `optimizer` adds its state, the RNG states and the
+    world size (all that `load_trainer_state` restores). Call on every rank (FSDP gathers
+    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded
+    from GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
-    rank = _rank()
-    tmp = out_dir.rstrip("/") + ".tmp"
+    rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    sd = _full_state_dict(model)
+    sd = full_state_dict(model)
     if trainer_state is not None:
-        if rank != 0 and sd is None and "optimizer" in trainer_state:
+        if optimizer is not None:
+            trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
+        if rank != 0 and not _is_sharded(model) and "optimizer" in trainer_state:
             # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
             # of memory and disk three times over saved per extra rank); RNG stays per rank
             trainer_state = {k: v for k, v in trainer_state.items() if k != "optimizer"}
@@ -539,7 +544,6 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
             json.dump(args, f, indent=2, default=str)
     _barrier()  # every rank's trainer state is written before the directory is published
     if rank == 0:
-        old = out_dir.rstrip("/") + ".old"
         if os.path.exists(out_dir):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out_dir, old)
@@ -572,21 +576,43 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
     return None
 
 
-def load_trainer_state(ckpt_dir: str, rank: int | None = None) -> dict:
+def _optimizer_and_rng_state(optimizer) -> dict:
+    """What `load_trainer_state` restores besides the stage's own entries: the optimizer
+    (`optimizer_state`), this process's python / numpy / torch / CUDA RNG states, the world size."""
+    import numpy as np
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {**optimizer_state(optimizer), "rng": rng, "world_size": world}
+
+
+def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -> dict:
     """This rank's trainer state from a checkpoint (rank 0's if the run had fewer ranks:
-    exact for DDP's replicated optimizer, except per-rank RNG)."""
-    rank = _rank() if rank is None else rank
-    path = os.path.join(ckpt_dir, f"trainer_state_rank{rank}.pt")
-    if not os.path.exists(path):
-        path = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
+    exact for DDP's replicated optimizer, except per-rank RNG). With `optimizer` (made by
+    `make_optimizer`), also restores it (`load_optimizer_state`) and this process's RNG.
+
+    Raises:
+        FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
+    """
+    import numpy as np
+    rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
+    path = os.path.join(ckpt_dir, f"trainer_state_rank{_rank() if rank is None else rank}.pt")
+    path = path if os.path.exists(path) else rank0
     if not os.path.exists(path):
         raise FileNotFoundError(f"no trainer state in {ckpt_dir}")
     state = torch.load(path, map_location="cpu", weights_only=False)
-    rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
-    if "optimizer" not in state and path != rank0:  # a DDP rank > 0: the optimizer is rank 0's
-        r0 = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True)
-        if "optimizer" in r0:
-            state["optimizer"] = r0["optimizer"]
+    if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
+        # a DDP rank > 0: the optimizer is rank 0's
+        state["optimizer"] = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True).get("optimizer")
+    if optimizer is not None:
+        load_optimizer_state(optimizer, state, ckpt_dir)
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        if "numpy" in rng:  # grpo.py's checkpoints before this version kept python and torch only
+            np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return state
 
 
@@ -603,16 +629,16 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = F
 
     Returns:
         a torch.optim.AdamW, or a ZeroRedundancyOptimizer wrapping one (its `param_groups`
-        are the ones to schedule; save and restore with `optimizer_state` /
-        `load_optimizer_state`, not `state_dict`).
+        are the ones to schedule; save and restore with `save_checkpoint` /
+        `load_trainer_state`, not `state_dict`).
     """
     params = list(params)
+    kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     if shard and dist.is_initialized() and dist.get_world_size() > 1 \
             and not any(type(p).__name__ == "DTensor" for p in params):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr, betas=(0.9, 0.999),
-                                       eps=1e-8, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+    return torch.optim.AdamW(params, **kw)
 
 
 def _is_sharded_optimizer(opt) -> bool:
@@ -632,11 +658,11 @@ def optimizer_state(opt) -> dict:
     hyperparameters. Each rank writes its own share: consolidating on rank 0 would bring
     back the memory that sharding saves. The trainer state's "world_size" says how many
     shares there are."""
-    if _is_sharded_optimizer(opt):
-        share = opt.optim.state_dict()
-        _copy_hyperparameters(share["param_groups"], opt.param_groups)
-        return {"optimizer_shard": share}
-    return {"optimizer": opt.state_dict()}
+    if not _is_sharded_optimizer(opt):
+        return {"optimizer": opt.state_dict()}
+    share = opt.optim.state_dict()
+    _copy_hyperparameters(share["param_groups"], opt.param_groups)
+    return {"optimizer_shard": share}
 
 
 def load_optimizer_state(opt, state: dict, where: str):
@@ -656,21 +682,6 @@ def load_optimizer_state(opt, state: dict, where: str):
                          f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
     opt.optim.load_state_dict(state["optimizer_shard"])
     _copy_hyperparameters(opt.param_groups, opt.optim.param_groups)
-
-
-def _rng_state() -> dict:
-    import numpy as np
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(s: dict):
-    import numpy as np
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 # -----------------------------------------------------------------------------
@@ -727,9 +738,7 @@ def main(argv=None):
     print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
 
     # 1) model (fp32 master weights) and data
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
@@ -746,34 +755,28 @@ def main(argv=None):
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
 
     # 2) optimizer, schedule, resume
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, args.lr, args.weight_decay, shard=args.shard_optimizer)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
+                         shard=args.shard_optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
     data_id = {"seed": args.seed, "n_examples": len(examples), "global_batch": args.global_batch}
     step = 0
     if args.resume:
-        st = load_trainer_state(args.resume)
+        st = load_trainer_state(args.resume, opt)
         if st["data"] != data_id:
             print0(f"warning: data / batch differ from the checkpoint's {st['data']}; order will not continue exactly")
-        load_optimizer_state(opt, st, args.resume)
         sched.load_state_dict(st["scheduler"])
-        _set_rng_state(st["rng"])
         step = st["step"]
         print0(f"resumed from {args.resume} at step {step}")
         if rank == 0:
             executor.trim_jsonl_steps(os.path.join(args.out, "log.jsonl"), step)
 
     def save(name):
-        state = {"step": step, **optimizer_state(opt), "scheduler": sched.state_dict(),
-                 "data": data_id, "rng": _rng_state(), "world_size": world}
-        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+        state = {"step": step, "scheduler": sched.state_dict(), "data": data_id}
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, opt)
 
     # 3) the loop: one optimizer step per global batch
     from tqdm import tqdm
     bar = tqdm(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft", unit="step")
-    log = os.path.join(args.out, "log.jsonl") if rank == 0 else None
-    model.train()
     while step < total:
         t0 = time.perf_counter()
         idx = step_indices(step, len(examples), args.global_batch, args.seed)
@@ -781,20 +784,16 @@ def main(argv=None):
         mbs = [collate([examples[i] for i in c], tokenizer.pad_token_id, device) for c in mine]
         m = backward_step(model, mbs, mask_outputs=args.mask_outputs, chunk_size=args.chunk_size,
                           autocast_dtype=autocast_dtype)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-            grad_norm = grad_norm.full_tensor()
         lr = opt.param_groups[0]["lr"]
-        opt.step()
+        grad_norm = optimizer_step(model, opt, args.grad_clip)
         sched.step()
-        zero_grad(opt, model)
         step += 1
         dt = time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
-               "lr": lr, "grad_norm": float(grad_norm), "loss_tokens": int(m["n_loss_tokens"]),
+               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]),
                "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
-        if log is not None:
-            executor.append_jsonl(log, [rec])
+        if rank == 0:
+            executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
         bar.update(1)
         if args.save_every and step % args.save_every == 0 and step < total:

@@ -1,5 +1,5 @@
 """GRPO: advantages, the token-level clipped loss, masking, the step, resume and ranks
-(cases L1-L8, D1-D4 of shared/cases.md), and a toy task the loop must learn.
+(tests/faults.md L1-L10, D1-D4), and a toy task the loop must learn.
 
 The 2-rank cases run this file as a `torchrun --nproc_per_node 2` worker (gloo, CPU) once
 per session, with a timeout so that a hang fails the test instead of the run.
@@ -25,6 +25,7 @@ for p in (ROOT, HERE):
 
 import executor as ex  # noqa: E402
 import grpo  # noqa: E402
+import sft  # noqa: E402
 import tiny  # noqa: E402
 from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PROMPT, Sample  # noqa: E402
 
@@ -88,7 +89,7 @@ L2_LENGTHS, L2_ADV = [1, 1, 1, 97], [1.0, -0.5, 0.25, -1.0]
 def l2_grad(lm, samples, adv, micro, d=None):
     """Gradient of one GRPO update over `samples` with micro-batch `micro` on this rank."""
     d = d or grpo.Dist()
-    model = lm if d.world_size == 1 else grpo.wrap_model(lm, d.device)
+    model = lm if d.world_size == 1 else sft.wrap_model(lm, d.device)
     opt = GradCatcher(model.parameters())
     args = make_args(micro_batch=micro, grad_clip=0.0)
     out = grpo.update_policy(model, opt, samples, torch.tensor(adv), args, d)
@@ -106,14 +107,14 @@ def per_prompt_rollout(policy, tokenizer, prompts, sandbox, *, n, seed, **kw):
 
 
 def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in grpo.unwrap_model(model).parameters()])
+    return torch.cat([p.detach().flatten() for p in sft.unwrap_model(model).parameters()])
 
 
 def run_steps(lm, tok, args, probs, n_steps, reward_fn, sandbox, rollout_fn=ex.rollout, d=None, stream=None,
               opt_fn=None):
     d = d or grpo.Dist()
     policy = copy.deepcopy(lm).eval()
-    model = lm.train() if d.world_size == 1 else grpo.wrap_model(lm, d.device)
+    model = lm.train() if d.world_size == 1 else sft.wrap_model(lm, d.device)
     opt = (opt_fn or (lambda ps: torch.optim.AdamW(ps, lr=args.lr)))(model.parameters())
     stream = stream or grpo.PromptStream(probs, args.seed, d.rank, d.world_size)
     out = []
@@ -341,6 +342,46 @@ def test_first_update_ratio_one_second_can_clip_L5(tokenizer, sandbox):
     _, out = run_steps(tiny.make_model(tokenizer), tokenizer, args, probs, 2, first_token_reward, sandbox)
     assert all(m["optimizer_steps"] == 2 for m, _ in out)
     assert sum(m["clip_frac_low"] + m["clip_frac_high"] for m, _ in out) > 0
+
+
+@pytest.mark.timeout(120)
+def test_dropout_is_off_in_training_ratio_exactly_one_L9(tokenizer, sandbox):
+    """A policy whose config asks for attention dropout 0.3, trained with lr 0 and two
+    updates per step: the trainer's logprobs are the sampler's (eval) logprobs and do not
+    change between the two updates, so the ratio is exactly 1 (approx_kl and clip
+    fractions exactly 0). With dropout left on, approx_kl was about 1e-4 and the gap 0.01."""
+    lm = tiny.make_model(tokenizer)
+    lm.config.attention_dropout = 0.3
+    for m in lm.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.3
+    model = sft.wrap_model(lm, "cpu")  # one process: the model itself, in train mode
+    assert model.training
+    args = make_args(prompts_per_step=4, group_size=4, updates_per_step=2, lr=0.0, micro_batch=2)
+    _, out = run_steps(model, tokenizer, args, problems(4), 1, first_token_reward, sandbox,
+                       opt_fn=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    m = out[0][0]
+    assert m["optimizer_steps"] == 2 and m["loss_tokens"] > 0
+    assert m["approx_kl"] == 0.0 and m["clip_frac_low"] == 0.0 and m["clip_frac_high"] == 0.0
+    assert m["sampler_logprob_gap"] < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_the_reward_is_one_function_called_for_every_sample_L10(tokenizer, sandbox, monkeypatch):
+    """Editing grpo.answer_reward (here: replacing it) changes the rewards the step trains
+    on and logs, for every sample; the logged correctness stays is_correct's."""
+    calls = []
+
+    def length_reward(sample, problem):
+        calls.append(problem["id"])
+        return float(sample.ids[len(sample.prompt_ids)] % 2)
+
+    monkeypatch.setattr(grpo, "answer_reward", length_reward)
+    args = make_args(prompts_per_step=2, group_size=4)
+    _, [(m, rec)] = run_steps(tiny.make_model(tokenizer), tokenizer, args, problems(2), 1, None, sandbox)
+    assert sorted(calls) == ["p0"] * 4 + ["p1"] * 4  # once per sample
+    assert sum(r["reward"] for r in rec) == m["reward_mean"] * 8 > 0
+    assert m["accuracy"] == 0.0 and all(r["correct"] == 0 for r in rec)  # nothing is boxed in 4 tokens
 
 
 @pytest.mark.timeout(300)
@@ -590,7 +631,7 @@ def test_two_rank_step_equals_one_rank_step(two_ranks, tokenizer, sandbox):
 
 def _worker(out_dir, tiny_dir):
     import torch.distributed as dist
-    rank, _, world, device = grpo.setup_distributed(0)
+    rank, _, world, device = sft.setup_distributed(0)
     assert world == 2
     d = grpo.Dist(rank, world, device)
     tok = tiny.make_tokenizer()
@@ -665,7 +706,7 @@ def _worker(out_dir, tiny_dir):
         # the same step with FSDP (fully_shard, sharded parameters): rollouts use a synced copy
         lm = tiny.make_model(tok)
         policy = copy.deepcopy(lm).eval()
-        model = grpo.wrap_model(lm, device, fsdp=True)
+        model = sft.wrap_model(lm, device, fsdp=True)
         opt = sgd(model.parameters())
         stream = grpo.PromptStream(problems(4), args.seed, rank, world)
         grpo.sync_policy(model, policy)
@@ -681,7 +722,7 @@ def _worker(out_dir, tiny_dir):
     if rank == 0:
         _write_problems(data, 2)
     dist.barrier()
-    grpo.cleanup_distributed = lambda: None  # several command-line runs share this process group
+    sft.cleanup_distributed = lambda: None  # several command-line runs share this process group
     grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, "d4"), "--steps", "1",
                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
                "--no-progress"], reward_fn=lambda s, p: 1.0 if rank == 0 else 0.0)

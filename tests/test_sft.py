@@ -1,4 +1,4 @@
-"""Tests for sft.py: cases F1-F5 and G2 of shared/cases.md, chunked logprobs, resume,
+"""Tests for sft.py: tests/faults.md F1-F5 and G2, chunked logprobs, resume,
 2 ranks vs accumulation (torchrun, gloo), checkpoint loading, and a tiny model that
 memorises THINC trajectories and then replays one through the engine with real execution."""
 import copy
@@ -245,7 +245,7 @@ def test_sft_ids_are_the_ids_the_engine_fed_for_every_template_family(family):
 
 
 # -----------------------------------------------------------------------------
-# logprobs: padding (G2) and chunking
+# logprobs: padding (tests/faults.md G2) and chunking
 
 @pytest.mark.timeout(30)
 def test_g2_left_padding_same_logprobs(model):
@@ -331,6 +331,23 @@ def test_logprobs_from_start_skip_the_prompt_exactly(model, start):
     full[:, k:].sum().backward()
     part[:, k:].sum().backward()
     assert_same(grads(m1), grads(m2), 1e-5)
+
+
+def test_training_forward_has_no_dropout_L9(tokenizer):
+    """A config with attention dropout 0.3: the wrapped model trains (train mode, gradients)
+    with the logprobs of eval mode, the same on every forward."""
+    m = tiny.make_model(tokenizer)
+    for mod in m.modules():
+        if hasattr(mod, "attention_dropout"):
+            mod.attention_dropout = 0.3
+    ids = torch.randint(3, 300, (2, 23), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = sft.token_logprobs(m.eval(), ids, mask)
+    w = sft.wrap_model(m, "cpu")
+    a, b = sft.token_logprobs(w, ids, mask), sft.token_logprobs(w, ids, mask)
+    assert w.training and a.requires_grad
+    assert torch.equal(a, b) and torch.equal(a.detach(), ref)
 
 
 def test_first_loss_column():
