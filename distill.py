@@ -6,8 +6,10 @@ of executor.py. A trajectory is kept iff (i) grade(pred, gold), pred taken from 
 own text after its last output block, never from an interpreter output; (ii) every block's
 sandbox status is 'ok' (error, timeout, memory, killed all fail); (iii) >= 3 code blocks;
 (iv) plan tokens / trajectory tokens < 0.5, with the teacher's tokenizer: the plan is the
-text before the first ```python fence, the denominator every completion token (model +
+model text before the first ```python block, the denominator every completion token (model +
 interpreter output + final EOS), as the paper states the ratio over the whole trajectory.
+With a thinking template (generation prompt ending in `<think>\n`) the trajectory is
+written inside the think block, so prose reasoning there before the first block is plan.
 Prompt: executor.SYSTEM_PROMPT (byte-identical to what the student sees in the other
 stages), the exemplars of data/exemplars.jsonl as prior user / assistant turns (so each
 sits in the assistant role exactly as the teacher must write), then the problem, all
@@ -31,7 +33,6 @@ Departures from the paper:
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from collections import Counter
@@ -48,28 +49,17 @@ RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
 # -----------------------------------------------------------------------------
 # Exemplars: data/exemplars.jsonl, one {"id", "problem", "answer", "completion"} a line
 
-# A block as the engine writes it: the code (ending in a newline), the closing fence the
-# model wrote, then the environment's "\n```output\n<output without trailing newlines>\n```\n".
-_BLOCK = re.compile(r"```python\n(.*?)```\n```output\n(.*?)\n```\n", re.S)
-
-
 def split_completion(completion: str):
-    """Split an exemplar into (plan, [(code, output), ...], final). The plan is the text
-    before the first fence and final the text after the last output block.
-    Raises ValueError when anything but blocks sits between the plan and the final text."""
-    blocks, pos = [], completion.find("```python\n")
-    if pos < 0:
-        raise ValueError("no ```python block")
-    plan = completion[:pos]
-    for m in _BLOCK.finditer(completion, pos):
-        if m.start() != pos:
-            raise ValueError(f"text between blocks at char {pos}: {completion[pos:m.start()][:60]!r}")
-        blocks.append((m.group(1), m.group(2)))
-        pos = m.end()
-    final = completion[pos:]
-    if "```" in final:
-        raise ValueError(f"unparsed block after char {pos}")
-    return plan, blocks, final
+    """Split an exemplar into (plan, [(code, output), ...], final) with the engine's parser
+    (`executor.split_completion`). Raises ValueError unless it is a plan, then only python
+    blocks each followed by its output block, then a final text without fences."""
+    segs = ex.split_completion(completion)
+    plan = segs.pop(0).text if segs and segs[0].kind == "plan" else ""
+    final = segs.pop().text if segs and segs[-1].kind == "prose" else ""
+    kinds = [s.kind for s in segs]
+    if not segs or kinds != ["code", "output"] * (len(segs) // 2) or "```" in final:
+        raise ValueError(f"not a plan, then python blocks each followed by its output, then the answer: {kinds}")
+    return plan, [(code.body, out.body) for code, out in zip(segs[::2], segs[1::2])], final
 
 
 def join_completion(plan: str, blocks, final: str) -> str:

@@ -48,7 +48,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from executor import grade, number_value, write_json_atomic
+from executor import grade, number_value, split_completion, write_json_atomic
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
 REQUIRED_FIELDS = ("id", "answer", "pred", "correct", "sample_idx", "benchmark",
@@ -207,30 +207,18 @@ def recovery_at_k(records, k: int) -> tuple:
     return _mean(picked), len(picked)
 
 
-_FENCE_LINE = re.compile(r"^[ \t]*```")
-
-
 def prose_after_plan(completion: str) -> str:
-    """The model's text outside code and output blocks after the plan (the plan is the
-    text before the first code fence), without the last line that holds a `\\boxed` /
-    `\\fbox` answer. Empty for a completion with no code block. Format adherence: THINC
-    writes no prose between or after its blocks."""
-    lines = completion.split("\n")
-    first = next((i for i, ln in enumerate(lines) if _FENCE_LINE.match(ln)), None)
-    if first is None:
-        return ""
-    prose, in_block = [], False
-    for ln in lines[first:]:
-        if _FENCE_LINE.match(ln):
-            # an opening fence has a language tag or starts a block; a bare one closes it
-            in_block = not in_block if ln.strip() == "```" else True
-            continue
-        if not in_block:
-            prose.append(ln)
-    boxed = [i for i, ln in enumerate(prose) if "\\boxed" in ln or "\\fbox" in ln]
+    """The model's text outside code and output blocks after the plan (`split_completion`'s
+    prose segments), without the last line that holds a `\\boxed` / `\\fbox` answer and
+    without `</think>` (a thinking template's trajectory closes its think block before the
+    answer). Empty for a completion with no code block. Format adherence: THINC writes no
+    prose between or after its blocks."""
+    prose = "".join(s.text for s in split_completion(completion) if s.kind == "prose")
+    lines = prose.replace("</think>", "").split("\n")
+    boxed = [i for i, ln in enumerate(lines) if "\\boxed" in ln or "\\fbox" in ln]
     if boxed:
-        del prose[boxed[-1]]
-    return "\n".join(prose).strip()
+        del lines[boxed[-1]]
+    return "\n".join(lines).strip()
 
 
 def code_lines(record) -> int:

@@ -34,6 +34,7 @@ Departures from the paper (it does not describe its executor):
 """
 import argparse
 import atexit
+import bisect
 import concurrent.futures
 import contextlib
 import ctypes
@@ -59,6 +60,7 @@ import traceback
 import types
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import NamedTuple
 
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
@@ -748,7 +750,7 @@ def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_P
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Every id that ends a turn (case G4): the tokenizer's EOS, every generation-config
+    """Every id that ends a turn (tests/faults.md G4): the tokenizer's EOS, every generation-config
     EOS id (an int or a list), and the chat end-of-turn tokens the vocabulary has."""
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -767,33 +769,35 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
 # Sampling: small pure functions over (B, V) logits
 
 def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
-    """Draw one token per row.
+    """Draw one token per row: logits / temperature, then top-k, then top-p, then a draw.
 
     Args:
-        logits: (B, V) float, any dtype (computed in fp32).
+        logits: (B, V) float, any dtype (computed in fp32). -inf masks a token; NaN, +inf or
+            a row with no finite entry is an error.
         generator: the only randomness: a torch.Generator on the logits' device that draws
             for the whole batch, or a list of B CPU generators, one per row, so that a row's
             tokens do not depend on which other rows sample at the same step.
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
-        top_p: keep the smallest prefix of tokens (by probability) whose mass is >= top_p,
-            never fewer than one; 1.0 = no-op.
-        top_k: keep the k most likely tokens; 0 = no-op.
+        top_p, top_k: see `filter_top_p_top_k` (applied to the scaled logits, top-k first).
     Returns:
         tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
         token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
         recomputes.
+    Raises:
+        ValueError: non-finite logits, naming the first bad row.
 
     The draw is by inverse CDF: one uniform u per row, the first token whose cumulative
-    (kept) probability exceeds u times the kept mass. A token of probability 0 is never drawn.
+    kept probability exceeds u. A token of probability 0 is never drawn.
     """
     import torch
     logits = logits.float()
+    check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
     scaled = logits / temperature if temperature > 0 else logits  # (B, V)
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
-        probs = filter_top_p_top_k(torch.softmax(scaled, dim=-1), top_p, top_k)  # (B, V)
+        probs = torch.softmax(_top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
         cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
         total = cdf[:, -1:]  # (B, 1)
         if isinstance(generator, torch.Generator):
@@ -807,60 +811,106 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
+def check_finite_logits(lse, where: str):
+    """Raise ValueError naming the first row whose logits' log-sum-exp `lse` ((B,) or
+    (B, T), one value per distribution) is not finite: the row holds a NaN or a +inf, or
+    no finite value. -inf entries (masked tokens) are fine."""
+    bad = ~lse.isfinite()
+    if bad.any():
+        raise ValueError(f"{where}: non-finite logits (NaN, +inf, or every entry -inf) in row "
+                         f"{bad.nonzero()[0, 0].item()}")
+
+
 def filter_top_p_top_k(probs, top_p: float = 1.0, top_k: int = 0):
-    """Zero out tokens outside top-k and outside the top-p nucleus. probs: (B, V), rows
-    sum to 1. Returns (B, V), not renormalised (the sampler scales by the kept mass)."""
-    import torch
-    if top_k > 0 and top_k < probs.shape[-1]:
-        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    """Zero every token outside the top k, then outside the top-p nucleus of the top-k
+    distribution renormalised: exactly transformers' TopKLogitsWarper then
+    TopPLogitsWarper on log(probs), the same arithmetic the sampler runs on its logits.
+
+    probs: (B, V), rows sum to 1. top_k: 0 = no-op. top_p: keep the most likely tokens
+    until their mass reaches top_p (a token goes when the tokens less likely than it,
+    itself included, hold at most 1 - top_p), never fewer than one; 1.0 = no-op.
+    Returns (B, V), not renormalised.
+    """
+    return probs.masked_fill(_top_k_top_p(probs.log(), top_p, top_k) == float("-inf"), 0.0)
+
+
+def _top_k_top_p(logits, top_p: float, top_k: int):
+    """(B, V) logits with the tokens outside top-k, then top-p, set to -inf (transformers'
+    warpers, op for op, so that the kept sets agree at float boundaries too)."""
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)  # (B, V)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-        drop = before >= top_p
-        drop[:, 0] = False  # at least one token survives
-        probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
-    return probs
+        sorted_logits, idx = logits.sort(descending=False)  # (B, V)
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        drop[..., -1:] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    return logits
 
 
 # -----------------------------------------------------------------------------
-# Code-fence detection on the decoded text of the stream
+# Code fences: the one parser of a trajectory's text (the engine's stop rule included)
 
-_PY_LANGS = ("python", "py", "python3")
+# One match is one block; a fence counts only at the start of a line. A python block: its
+# opening line (```python, ```py or ```python3, any case), the code, then the three backticks
+# of the next line that starts with ``` (or the end). An output block: ```output, the content,
+# then a bare ``` line (or the end); `out` is None while the fence line is still unfinished.
+_BLOCK = re.compile(r"^```[^\S\n]*(?i:python3?|py)[^\S\n]*\n(?P<code>.*?)(?:^```|\Z)"
+                    r"|^```output(?:\n(?P<out>.*?)(?:\n```[ \t]*(?:\n|\Z)|\Z))?", re.M | re.S)
 
 
-class _FenceScanner:
-    """Finds, in a row's model text since its last output block, the closing fence of a
-    ```python block (or an ```output fence the model wrote itself). Works on decoded
-    text, so it does not matter how the tokenizer splits backticks (case G5). A fence
-    counts only at the start of a line, so ``` inside a string literal does not stop."""
+class Segment(NamedTuple):
+    kind: str  # 'plan' | 'code' | 'output' | 'prose'
+    text: str  # the exact text: the segments of a completion join to it
+    body: str  # the code of a python block, the content of an output block, else the text
 
-    def __init__(self):
-        self.text, self.line_start, self.in_code = "", 0, False
-        self.code_start = self.code_end = None  # the block's code: text[code_start:code_end]
-        self.open_at = None  # where the opening ```python line starts
 
-    def feed(self, piece: str):
-        """Append decoded text; return ('close' | 'fake_output', cut) where cut is the
-        index in self.text just after the fence to keep, or None."""
-        self.text += piece
-        while True:
-            line = self.text[self.line_start:]
-            nl = line.find("\n")
-            if line.startswith("```"):
-                if self.in_code:
-                    self.code_end = self.line_start
-                    return "close", self.line_start + 3
-                if line.startswith("```output"):
-                    return "fake_output", self.line_start
-                if nl >= 0 and line[3:nl].strip().lower() in _PY_LANGS:
-                    self.in_code, self.code_start = True, self.line_start + nl + 1
-                    self.open_at = self.line_start
-            elif len(line) < 3 and "```".startswith(line) and nl < 0:
-                return None  # maybe the start of a fence: wait for more text
-            if nl < 0:
-                return None
-            self.line_start += nl + 1
+def split_completion(text: str, outputs=None) -> list:
+    """Split a completion (or a stream of model text) into `Segment`s, in order.
+
+    plan: the model's text before its first python block (all of it if there is none).
+    code: a python block: its opening line (```python, ```py or ```python3, at the start
+        of a line, newline included), the code (body), then the three backticks of the
+        next line that starts with ``` (what closes a block in the engine; the rest of that
+        line is not part of it). An unclosed block runs to the end. A code segment is
+        closed exactly when its text ends with a newline and three backticks.
+    output: an ```output block: the newline before it when it directly follows a block
+        (the engine inserts it so), the fence line, the content (body: without its last
+        newline), the bare closing ``` line and its newline.
+    prose: any other model text after the plan (between blocks; the final answer).
+    outputs: the executed blocks' outputs, when known: each output block must then hold
+        the next one (so an output that prints a fence cannot end its block early); else a
+        block ends at its first bare ``` line.
+    Raises ValueError when `outputs` are given and do not match the output blocks.
+    """
+    segs, pos, outs = [], 0, None if outputs is None else [o.rstrip("\n") for o in outputs]
+    for m in _BLOCK.finditer(text):
+        start, end = m.span()
+        if start < pos:  # inside an output block that `outputs` showed to be longer
+            continue
+        code = m.group("code")
+        kind, body = ("code", code) if code is not None else ("output", m.group("out") or "")
+        if kind == "output":
+            if segs and segs[-1].kind == "code" and text[pos:start] == "\n":
+                start -= 1  # the newline the engine puts between a block and its output
+            if outs is not None:
+                if not outs or not text.startswith(f"```output\n{outs[0]}\n```", m.start()):
+                    raise ValueError(f"output block not found in the completion: {text[m.start():][:80]!r}")
+                body = outs.pop(0)
+                end = m.start() + len(body) + 14
+                end += text.startswith("\n", end)
+        if start > pos:
+            prose = text[pos:start]
+            segs.append(Segment("prose", prose, prose))
+        segs.append(Segment(kind, text[start:end], body))
+        pos = end
+    if outs:
+        raise ValueError(f"output block not found in the completion: {outs[0][:80]!r}")
+    if pos < len(text):
+        segs.append(Segment("prose", text[pos:], text[pos:]))
+    if segs and segs[0].kind == "prose":
+        segs[0] = segs[0]._replace(kind="plan")
+    return segs
 
 
 # -----------------------------------------------------------------------------
@@ -878,8 +928,9 @@ class Sample:
     blocks: one {"code", "output", "status"} per executed block.
     finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.
     pred: the answer extracted from the model's own text after its last output block.
-    plan_text, plan_tokens: the model text before its first ```python line (all of it if
-        there is none) and the number of sampled tokens that start inside it.
+    plan_text, plan_tokens: the plan segment of `split_completion(text)` (the model text
+        before its first python block, all of it if there is none) and the number of
+        sampled tokens that start inside it.
     final_text: the model's own text after its last output block (where pred comes from).
     """
     prompt_ids: list
@@ -899,10 +950,6 @@ class Sample:
     def n_model_tokens(self):
         return sum(r == ROLE_MODEL for r in self.roles)
 
-    @property
-    def n_output_tokens(self):
-        return sum(r == ROLE_OUTPUT for r in self.roles)
-
 
 class _Row:
     """Per-sample decoding state (plain data; the loop in `rollout` drives it)."""
@@ -911,26 +958,20 @@ class _Row:
         self.ids, self.roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
         self.logprobs = [float("nan")] * len(prompt_ids)
         self.prompt_len = self.n_fed = len(prompt_ids)  # n_fed: ids already in the KV cache
-        self.scanner = _FenceScanner()
-        self.seg_start = len(self.ids)  # first id of the current model segment
+        self.seg_start = len(self.ids)  # first id of the current segment (after the last output block)
+        self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
+        self.ctx = self.read = len(self.ids)  # ids[read:] are not in text yet; ids[ctx:read] their context
         self.blocks, self.tool_calls, self.n_model = [], 0, 0
         self.finish, self.code = None, None  # finish reason; the block being run
         self.running = None  # the sandbox's future for that block
-        self.plan_text = None
-        self.plan_tokens, self.starts = None, []  # model tokens of the plan; their char offsets
-        self.seg_starts = []  # where each model token of the current segment starts in scanner.text
 
 
 def _pad_left(seqs, pad_id, device):
     """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
     import torch
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+    from torch.nn.utils.rnn import pad_sequence
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
     return ids.to(device), mask.to(device)
 
 
@@ -1024,8 +1065,8 @@ def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
         row's pads sit in the *middle* of its mask, after its history.
     past_mask: (B, S) 0/1 mask of what the cache holds. n_real: (B,) real tokens so far.
     Returns (logits (B, V) at each row's last fed position, new mask (B, S + L), n_real).
-    Position ids count real tokens only (case G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (case G8).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
     """
     import torch
     ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
@@ -1069,7 +1110,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         sandbox: a `Sandbox` (anything with a thread-safe `run(code) -> ExecResult` and
             `workers`, the number of blocks run at once).
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
-            shared, every row's first token drawn independently (case G7).
+            shared, every row's first token drawn independently (tests/faults.md G7).
         temperature, top_p, top_k: see `sample_next_token`.
         max_context: tokens of prompt + completion; reaching it ends a row with 'length'.
         max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
@@ -1100,22 +1141,12 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
     # never on when other rows pause for their blocks
     gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
-    pieces = {}  # token id -> decoded text, for the fence scanner
-
-    def piece(t):
-        if t not in pieces:
-            pieces[t] = tokenizer.decode([t])
-        return pieces[t]
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(rows), desc="rollout", unit="sample", leave=False)
+    from tqdm import tqdm
+    bar = tqdm(total=len(rows), desc="rollout", unit="sample", leave=False, disable=not progress)
 
     def finish(r, reason):
         r.finish = reason
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
     with pool, torch.inference_mode():
@@ -1151,8 +1182,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                                                   top_p, top_k)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
                     r = rows[live[b]]
-                    _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_calls,
-                                  tokenizer, finish)
+                    _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish)
                     if r.code is not None:
                         history = {"history": list(r.blocks)} if stateful else {}
                         r.running = pool.submit(sandbox.run, r.code, **history)
@@ -1185,12 +1215,11 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             # 5) one forward over the ragged chunk (a token, or an output block)
             if any(need):
                 logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
-    if bar is not None:
-        bar.close()
+    bar.close()
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
 
 
-def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_calls, tokenizer, finish):
+def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish):
     """Append a sampled token to a row and apply the stop rules, in order: EOS, the
     closing fence of a python block (or a fake ```output), then the budgets."""
     r.ids.append(t)
@@ -1199,15 +1228,12 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
     r.n_model += 1
     if t in stops:
         return finish(r, "stop")
-    if r.plan_tokens is None:
-        r.starts.append(len(r.scanner.text))
-    r.seg_starts.append(len(r.scanner.text))
-    hit = r.scanner.feed(piece(t))
-    if r.plan_tokens is None and r.scanner.open_at is not None:
-        # the plan is every model token that starts before the first ```python line
-        r.plan_tokens = sum(st < r.scanner.open_at for st in r.starts)
+    r.starts.append(len(r.text))
+    piece = _decode_new(r, tokenizer)
+    r.text += piece
+    hit = _fence_stop(r.text, len(piece)) if piece else None
     if hit is not None:
-        kind, cut = hit
+        kind, cut, code = hit
         _trim_to_fence(r, cut, tokenizer)
         if kind == "fake_output":  # the model wrote an output block itself: end the turn there
             return finish(r, "stop")
@@ -1215,10 +1241,41 @@ def _accept_token(r, t, lp, stops, piece, max_context, max_new_tokens, max_tool_
             return finish(r, "tool_budget")
         if max_new_tokens and r.n_model >= max_new_tokens:  # no room left to use the output
             return finish(r, "length")
-        r.code = r.scanner.text[r.scanner.code_start:r.scanner.code_end]
+        r.code = code
         return
     if len(r.ids) >= max_context or (max_new_tokens and r.n_model >= max_new_tokens):
         finish(r, "length")
+
+
+def _decode_new(r, tokenizer) -> str:
+    """The text of the row's ids not yet in its text (ids[read:]), decoded after their
+    context ids[ctx:read] and cut from that: a SentencePiece word keeps its leading space
+    ('▁math' alone decodes to 'math'), and while the text ends in an incomplete UTF-8
+    character the ids wait ('' is returned). So a segment's text is always the decode of
+    its ids (the whole completion's decode, cut at the segment), never per-token pieces."""
+    before = tokenizer.decode(r.ids[r.ctx:r.read])
+    after = tokenizer.decode(r.ids[r.ctx:])
+    if len(after) <= len(before) or after.endswith("\ufffd"):
+        return ""
+    r.ctx, r.read = r.read, len(r.ids)
+    return after[len(before):]
+
+
+def _fence_stop(text: str, n_new: int):
+    """Whether the last n_new characters of a segment's text end it: ('close', cut, code)
+    when a python block closed (cut: just after its three backticks), ('fake_output', cut,
+    None) when the model wrote an ```output fence itself (cut: where it starts), else None.
+    Parses (`split_completion`) only when the new text's lines hold a backtick."""
+    if "`" not in text[text.rfind("\n", 0, len(text) - n_new) + 1:]:
+        return None
+    at = 0
+    for s in split_completion(text):
+        if s.kind == "code" and s.text.endswith("\n```"):
+            return "close", at + len(s.text), s.body
+        if s.kind == "output":
+            return "fake_output", at, None
+        at += len(s.text)
+    return None
 
 
 def _trim_to_fence(r, cut, tokenizer):
@@ -1226,28 +1283,25 @@ def _trim_to_fence(r, cut, tokenizer):
     ```output fence the model wrote itself). Whitespace after a closing fence inside its own
     token is kept; anything else after the cut is dropped: tokens that start after it are
     removed, and a token that straddles it is replaced by the environment's tokens for its
-    part before the cut (e.g. '```\\nThe' becomes '```', role output)."""
-    sc = r.scanner
-    if not sc.text[cut:].strip():
+    part before the cut (e.g. '```\\nThe' becomes '```', role output). Only the newest
+    token can straddle a closing fence (the tokens before it are in the KV cache); held-back
+    tokens whose bytes it completed go with it (they hold a multi-byte character, never a
+    fence, so this only happens at a fake ```output, which ends the row)."""
+    if not r.text[cut:].strip():
         return
-
-    def pop():
-        for lst in (r.ids, r.roles, r.logprobs):
-            lst.pop()
-        r.n_model -= 1
-        return r.seg_starts.pop()
-
-    end = len(sc.text)  # where the last remaining token ends
-    while r.seg_starts and r.seg_starts[-1] >= cut:  # wholly after the cut
-        end = pop()
-    straddle = None
-    if r.seg_starts and end > cut:  # text on both sides of the cut
-        straddle = sc.text[pop():cut]
-    new = tokenizer.encode(straddle, add_special_tokens=False) if straddle else []
+    k = bisect.bisect_left(r.starts, cut)  # the segment's tokens from k on start after the cut
+    straddle = k > 0 and (k == len(r.starts) or r.starts[k] > cut)
+    if straddle:
+        k = bisect.bisect_left(r.starts, r.starts[k - 1])
+    new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
+    n_drop = len(r.starts) - k
+    for lst in (r.ids, r.roles, r.logprobs):
+        del lst[len(lst) - n_drop:]
+    r.n_model -= n_drop
     r.ids += new
     r.roles += [ROLE_OUTPUT] * len(new)
     r.logprobs += [float("nan")] * len(new)
-    sc.text = sc.text[:cut]
+    r.text, r.starts = r.text[:cut], r.starts[:k]
 
 
 def _append_output(r, res, tokenizer, max_context, finish):
@@ -1256,9 +1310,7 @@ def _append_output(r, res, tokenizer, max_context, finish):
     r.tool_calls += 1
     r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
     r.code = r.running = None
-    if r.plan_text is None:
-        r.plan_text = r.scanner.text[:r.scanner.text.find("```")]
-    lead = "" if r.scanner.text.endswith("\n") else "\n"
+    lead = "" if r.text.endswith("\n") else "\n"
     chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
     if len(r.ids) + len(chunk) >= max_context:
         r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
@@ -1267,8 +1319,9 @@ def _append_output(r, res, tokenizer, max_context, finish):
     r.ids += chunk
     r.roles += [ROLE_OUTPUT] * len(chunk)
     r.logprobs += [float("nan")] * len(chunk)
-    r.scanner, r.seg_starts = _FenceScanner(), []
-    r.seg_start = len(r.ids)
+    # a new segment, decoded after the block's last token (so a leading space is kept)
+    r.text, r.starts, r.seg_start = "", [], len(r.ids)
+    r.ctx, r.read = len(r.ids) - 1, len(r.ids)
 
 
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":
@@ -1279,12 +1332,13 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
              if role == ROLE_MODEL and t not in stops]
     final_text = tokenizer.decode(final)
     text = tokenizer.decode(comp)
-    plan, plan_tokens = r.plan_text, r.plan_tokens
-    if plan is None:  # no block ran: the plan is the text before the first fence, if any
-        i = text.find("```")
-        plan = text if i < 0 else text[:i]
-    if plan_tokens is None:  # no block opened: every model token is plan
-        plan_tokens = sum(role == ROLE_MODEL and t not in stops for t, role in zip(r.ids, r.roles))
+    first = split_completion(text)[:1]
+    plan = first[0].text if first and first[0].kind == "plan" else ""
+    # the plan's tokens are those that start before its end (the decoded prefix grows with k),
+    # all of them before the first output block
+    first_output = r.roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in r.roles else len(comp)
+    plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
+                                     key=lambda k: len(tokenizer.decode(comp[:k])))
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)
@@ -1509,17 +1563,16 @@ GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wr
 # Extraction
 # ---------------------------------------------------------------------------------------
 
-# a ```python / ```output block, up to its closing fence or, unclosed, to the end
-_FENCED = re.compile(r"^[ \t]*```[ \t]*(?:python3?|py|output)\b[^\n]*$.*?(?:^[ \t]*```[ \t]*$|\Z)", re.M | re.S)
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
 _SPACE_FORM = re.compile(r"[^\s$]+")
 
 
 def _model_prose(text: str) -> str:
-    """The text outside ```python / ```output fenced blocks (an unclosed block runs to the
-    end). Linear in len(text). Used so that a `\\boxed{}` printed by code or written
-    inside code is never taken as the model's answer (cases.md L7)."""
-    return _FENCED.sub("\n", text)
+    """The model's own text: every python and output block that `split_completion` finds
+    (an unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
+    adversarial texts stay fast. Used so that a `\\boxed{}` printed by code or written
+    inside code is never taken as the model's answer (tests/faults.md L7)."""
+    return _BLOCK.sub("\n", text)
 
 
 def _braced(text: str, j: int):

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -202,11 +201,13 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)  # (B, C)
+    executor.check_finite_logits(lse.detach(), "token_logprobs")
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, C)
     if not entropy:
         return logp, torch.zeros_like(logp)
     probs = torch.exp(logits - lse[..., None])  # (B, C, V)
-    return logp, lse - (probs * logits).sum(-1)  # (B, C) each
+    plogits = torch.where(probs > 0, probs * logits, torch.zeros_like(probs))  # a masked (-inf) token adds 0
+    return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
 def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
@@ -291,90 +292,64 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
 # -----------------------------------------------------------------------------
 # Data: trajectory JSONL -> ids and roles
 
-_OUTPUT_RE = re.compile(r"\n```output\n.*?\n```\n", re.DOTALL)
+def end_of_turn_id(tokenizer, stops) -> int:
+    """The stop token the chat template writes after an assistant message (the tokenizer's
+    EOS when it writes none). A probe turn is rendered only to learn this id."""
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "PROBE"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    tail = tokenizer.encode(text[text.rfind("PROBE") + 5:], add_special_tokens=False)
+    return next((t for t in tail if t in stops), tokenizer.eos_token_id)
 
 
+def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=None, where: str = "",
+                  eot: int | None = None, **template_kwargs) -> dict:
+    """Token ids and per-token roles of one trajectory, exactly as the engine feeds them.
 
-
-def split_completion(completion: str, outputs=None) -> list:
-    """Split an assistant text into [(text, role)] segments: ROLE_MODEL for what the model
-    writes, ROLE_OUTPUT for each ```output block the environment inserted (with the newline
-    before it, as the engine inserts it). `outputs`: the blocks' exact outputs when the row
-    has them (robust to output text that contains a fence); else found by pattern."""
-    spans = []
-    if outputs is not None:
-        pos = 0
-        for out in outputs:
-            chunk = executor.output_block(out)
-            i = completion.find(chunk, pos)
-            if i < 0:
-                raise ValueError(f"output block not found in the completion: {chunk[:80]!r}")
-            spans.append((i, i + len(chunk)))
-            pos = i + len(chunk)
-    else:
-        spans = [m.span() for m in _OUTPUT_RE.finditer(completion)]
-    segs, pos = [], 0
-    for a, b in spans:
-        segs += [(completion[pos:a], ROLE_MODEL), (completion[a:b], ROLE_OUTPUT)]
-        pos = b
-    segs.append((completion[pos:], ROLE_MODEL))
-    return [(t, r) for t, r in segs if t]
-
-
-def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=None, where: str = "") -> dict:
-    """Token ids and per-token roles of one trajectory, as the engine would produce them.
-
-    prompt = executor.build_prompt_ids(tokenizer, problem) (ROLE_PROMPT); then whatever the
-    chat template puts before the assistant content (e.g. an empty think block), each model
-    segment and each output block tokenised alone as the engine does (ROLE_MODEL /
-    ROLE_OUTPUT), and the template's end of turn through the first stop token (ROLE_MODEL:
-    the model must learn to stop); what the template adds after it (a newline) is dropped.
-    Raises ValueError naming `where` if the template's rendering of the conversation does
-    not start with the prompt ids, or has no end-of-turn token.
+    The prompt is `executor.build_prompt_ids(tokenizer, problem, **template_kwargs)`
+    (ROLE_PROMPT), generation prompt included (Qwen3-Thinking's ends in `<think>\n`: the
+    trajectory is written inside the think block). Then the completion's segments
+    (`executor.split_completion`, with the blocks' `outputs` when known): each run of model
+    text tokenised alone, as a policy that writes it samples it (ROLE_MODEL), each output
+    block tokenised alone, as the engine inserts it (ROLE_OUTPUT); then the end-of-turn id
+    `eot` (default `end_of_turn_id`; ROLE_MODEL: the model must learn to stop). The
+    assistant turn is never rendered through the chat template, which may render a past
+    turn differently (strip reasoning, add an empty think block) from the turn generated.
+    Raises ValueError (prefixed with `where`) when `outputs` do not match the completion.
     """
-    stops = stops if stops is not None else executor.stop_token_ids(tokenizer)
-    prompt_ids = executor.build_prompt_ids(tokenizer, problem)
-    msgs = executor.prompt_messages(problem)
-    prompt_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    full_text = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": completion}],
-                                              tokenize=False)
-    full_ids = tokenizer.encode(full_text, add_special_tokens=False)
-    if not full_text.startswith(prompt_text) or full_ids[:len(prompt_ids)] != prompt_ids:
-        raise ValueError(f"{where}: the chat template's rendering of prompt + completion does not "
-                         "start with the prompt ids (build_prompt_ids)")
-    start = full_text.find(completion, len(prompt_text))
-    if start < 0:
-        raise ValueError(f"{where}: the chat template altered the completion text (e.g. stripped it)")
-    enc = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []  # noqa: E731
-    ids, roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
-    segs = [(full_text[len(prompt_text):start], ROLE_MODEL)] + split_completion(completion, outputs)
-    for i in range(1, len(segs) - 1):
+    try:
+        segments = executor.split_completion(completion, outputs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}" if where else str(e)) from None
+    runs = [["", ROLE_MODEL]]  # [text, role]: model text, an output block, model text, ...
+    for seg in segments:
+        if seg.kind == "output":
+            runs += [[seg.text, ROLE_OUTPUT], ["", ROLE_MODEL]]
+        else:
+            runs[-1][0] += seg.text
+    for model, output in zip(runs[::2], runs[1::2]):
         # The engine stops right after the token holding the fence's last backtick; when this
         # tokenizer merges the newline after a fence into that token (Qwen2.5: "`\n"), the
         # newline is the model's and the output block has no leading newline.
-        (text, role), (nxt, nrole) = segs[i], segs[i + 1]
-        if role == ROLE_MODEL and nrole == ROLE_OUTPUT and nxt.startswith("\n"):
-            last = enc(text + "\n")[-1:]
-            if last and tokenizer.decode(last).endswith("\n") and tokenizer.decode(last) != "\n":
-                segs[i], segs[i + 1] = (text + "\n", role), (nxt[1:], nrole)
-    for text, role in segs:
-        t = enc(text)
+        last = tokenizer.decode(tokenizer.encode(model[0] + "\n", add_special_tokens=False)[-1:])
+        if output[0].startswith("\n") and last.endswith("\n") and last != "\n":
+            model[0], output[0] = model[0] + "\n", output[0][1:]
+    ids = executor.build_prompt_ids(tokenizer, problem, **template_kwargs)
+    roles = [ROLE_PROMPT] * len(ids)
+    for text, role in runs:
+        t = tokenizer.encode(text, add_special_tokens=False)
         ids += t
         roles += [role] * len(t)
-    tail = enc(full_text[start + len(completion):])  # e.g. [<|im_end|>, "\n"]
-    k = next((i for i, t in enumerate(tail) if t in stops), None)
-    if k is None:
-        raise ValueError(f"{where}: no end-of-turn token after the assistant turn in the chat template")
-    ids += tail[:k + 1]
-    roles += [ROLE_MODEL] * (k + 1)
-    return {"ids": ids, "roles": roles}
+    if eot is None:
+        eot = end_of_turn_id(tokenizer, stops if stops is not None else executor.stop_token_ids(tokenizer))
+    return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
 def load_sft_data(path: str, tokenizer, max_len: int):
     """Read trajectory JSONL and build examples. Returns (examples, n_dropped): examples
-    longer than `max_len` tokens are dropped and counted, never truncated (case F5).
+    longer than `max_len` tokens are dropped and counted, never truncated (tests/faults.md F5).
     Raises ValueError naming file:line for a bad row."""
     stops = executor.stop_token_ids(tokenizer)
+    eot = end_of_turn_id(tokenizer, stops)
     examples, dropped = [], 0
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -388,20 +363,16 @@ def load_sft_data(path: str, tokenizer, max_len: int):
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             problem = row.get("problem", row.get("question"))
-            if problem is None or row.get("completion") is None:
-                raise ValueError(f"{where}: needs 'problem' and 'completion'")
-            for key, value in (("problem", problem), ("completion", row["completion"])):
+            for key, value in (("problem", problem), ("completion", row.get("completion"))):
                 if not isinstance(value, str):
-                    raise ValueError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+                    got = "nothing" if value is None else type(value).__name__
+                    raise ValueError(f"{where}: field '{key}' must be a string, got {got}")
             blocks = row.get("blocks")
             if blocks is not None and not (isinstance(blocks, list) and all(
                     isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
                 raise ValueError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
             outputs = [b["output"] for b in blocks] if blocks else None
-            try:
-                ex = build_example(tokenizer, problem, row["completion"], outputs, stops, where)
-            except ValueError as e:
-                raise ValueError(e if str(e).startswith(where) else f"{where}: {e}") from e
+            ex = build_example(tokenizer, problem, row["completion"], outputs, stops, where, eot)
             if len(ex["ids"]) > max_len:
                 dropped += 1
                 continue

@@ -279,3 +279,28 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
     assert r.returncode != 0 and "traj.args.json: the trajectories" in r.stderr
     assert "--temperature 0.6, this run has 0.01" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_plan_share_under_a_thinking_template(sandbox):
+    """Qwen3-Thinking-like template: the generation prompt opens a think block and the
+    trajectory is written inside it, so prose reasoning there before the first block is
+    plan (rule iv rejects a long one), while `</think>` before the answer is neither plan
+    nor prose after the plan. The rows come from the engine (a scripted policy)."""
+    import evaluate
+    import sft
+    from test_engine import Scripted
+    tok, _ = tiny.make_family_tokenizer("qwen3_thinking")
+    problem = {"id": "p", "problem": "What is 6 times 7?", "answer": "42"}
+    prompt = ex.build_prompt_ids(tok, problem["problem"])
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+    blocks = "```python\nprint(6 * 7)\n```\n```output\n42\n```\n" * 3
+    for plan, want in (("Multiply.\n", []), ("Let me reason in words. " * 30 + "\n", ["long_plan"])):
+        completion = plan + blocks + "</think>\n\n\\boxed{42}"
+        script = sft.build_example(tok, problem["problem"], completion, outputs=["42\n"] * 3)["ids"]
+        s = ex.rollout(Scripted(tiny.make_model(tok), [script], tok.eos_token_id), tok, [prompt], sandbox,
+                       temperature=0.0, max_context=4000)[0]
+        row = ex.sample_record(problem, s)
+        assert s.text == completion and row["plan_tokens"] == len(enc(tok, plan))
+        assert distill.filter_reasons(row) == want, distill.plan_share(row)
+        assert evaluate.prose_after_plan(completion) == ""

@@ -1,4 +1,4 @@
-"""The trajectory engine: KV-cached sampler, stop detection, rollout loop (cases G1-G8)."""
+"""The trajectory engine: KV-cached sampler, stop detection, rollout loop (tests/faults.md G1-G8)."""
 import math
 import types
 
@@ -448,3 +448,97 @@ def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
     # synchronous engine feeds both output blocks in one forward, after A's block returns)
     i = next(k for k, c in enumerate(calls) if k > 0 and len(c) == 2 and c[1] > 1)
     assert sum(1 for c in calls[i + 1:] if c == [0, 1]) >= 5, calls
+
+
+# -- the text that runs is the decode of the ids (issue 15.1, 21.5) --------------------------
+
+def _one_block_script(tok, plan_and_code, output):
+    """Prompt, then a model segment (plan, ```python, code, closing fence), the engine's
+    output block, a boxed answer and EOS; the segment is encoded as one text, as a model
+    that writes it samples it."""
+    prompt = enc(tok, "q:")
+    seg = enc(tok, plan_and_code + "```")
+    full = prompt + seg + enc(tok, ex.output_block(output)) + enc(tok, "\\boxed{1}") + [tok.eos_token_id]
+    return prompt, seg, full
+
+
+def test_multibyte_characters_split_across_tokens_run_as_written(tokenizer, sandbox):
+    """Byte-level BPE: π, é, ℤ and 计 are each split across tokens (no token of their own).
+    The code that runs is exactly the decode of the block's ids, and its output is right."""
+    tok = tokenizer
+    for ch in "πéℤ计":
+        ids = enc(tok, ch)
+        assert len(ids) > 1 and all("\ufffd" in tok.decode([i]) for i in ids), ch
+    code = 'ok = True\nprint("n ∈ ℤ, n⁴ = 7:", ok, "π é")  # 计算\n'
+    prompt, seg, full = _one_block_script(tok, "Plan: é.\n```python\n" + code, 'n ∈ ℤ, n⁴ = 7: True π é\n')
+    model = Scripted(tiny.make_model(tok), [full], tok.eos_token_id)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
+    seg_text = tok.decode(seg)
+    assert s.blocks[0]["code"] == code == seg_text[seg_text.index("```python\n") + 10:-3]
+    assert s.blocks[0]["output"] == 'n ∈ ℤ, n⁴ = 7: True π é\n' and s.blocks[0]["status"] == "ok"
+    assert s.ids == full and s.text == tok.decode(full[len(prompt):-1])
+    assert s.plan_text == "Plan: é.\n" and s.plan_tokens == len(enc(tok, "Plan: é.\n"))
+
+
+def test_sentencepiece_code_keeps_its_spaces(sandbox):
+    """Llama-2 / Mistral-style SentencePiece ('▁' spaces, byte fallback): 'import math' is
+    'import' + '▁math', whose decode alone is 'math'; the code that runs keeps the space
+    and the byte-fallback character, and equals the decode of the block's ids."""
+    tok = tiny.make_sp_tokenizer()
+    code = "import math\nprint(math.pi, 'π')\n"
+    ids = enc(tok, "\n" + code)
+    assert "▁math" in tok.convert_ids_to_tokens(ids) and tok.decode([tok.convert_tokens_to_ids("▁math")]) == "math"
+    assert [t for t in tok.convert_ids_to_tokens(enc(tok, "π"))][-2:] == ["<0xCF>", "<0x80>"]
+    prompt, seg, full = _one_block_script(tok, "Plan.\n```python\n" + code, "3.141592653589793 π\n")
+    model = Scripted(tiny.make_model(tok), [prompt + seg + [tok.eos_token_id]], tok.eos_token_id)
+    s = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0)[0]
+    assert s.blocks[0]["code"] == code
+    assert s.blocks[0]["output"] == "3.141592653589793 π\n" and s.blocks[0]["status"] == "ok"
+    assert ex.split_completion(tok.decode(seg))[1].body == code
+
+
+# -- sampler edge cases (issue 15.3, 15.4) ---------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_raise_naming_the_row(temperature):
+    ok = torch.tensor([0.0, 1.0, -float("inf"), 2.0])  # -inf masks a token: fine
+    for bad in (float("nan"), float("inf")):
+        logits = torch.stack([ok, ok, ok.clone().index_fill_(0, torch.tensor([1]), bad)])
+        with pytest.raises(ValueError, match=r"non-finite logits .* in row 2"):
+            ex.sample_next_token(logits, torch.Generator().manual_seed(0), temperature=temperature)
+    with pytest.raises(ValueError, match=r"non-finite logits .* in row 1"):
+        ex.sample_next_token(torch.stack([ok, torch.full((4,), -float("inf"))]), torch.Generator(),
+                             temperature=temperature)
+    tokens, lp = ex.sample_next_token(ok[None], torch.Generator().manual_seed(0), temperature=temperature)
+    assert tokens.item() != 2 and torch.isfinite(lp).all()
+
+
+def test_top_k_then_top_p_keep_what_transformers_warpers_keep():
+    """The issue's case by hand, then a few hundred random distributions and settings:
+    the kept set is exactly that of TopKLogitsWarper then TopPLogitsWarper (the nucleus of
+    the renormalised top-k distribution), float boundaries included."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    assert (ex.filter_top_p_top_k(probs, top_p=0.5, top_k=2) > 0).tolist() == [[True, False, False, False]]
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for trial in range(300):
+        V = int(torch.randint(2, 40, (1,), generator=g))
+        logits = torch.randn(4, V, generator=g) * float(torch.rand(1, generator=g) * 6)
+        if trial % 3 == 0:  # ties and exact boundaries: values on a coarse grid
+            logits = (logits * 2).round() / 2
+        top_k = int(torch.randint(0, V + 2, (1,), generator=g))
+        top_p = [0.0, 0.25, 0.5, 0.9, 1.0, float(torch.rand(1, generator=g))][trial % 6]
+        probs = torch.softmax(logits, dim=-1)
+        ref = probs.log()
+        if top_k > 0:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1.0:
+            ref = TopPLogitsWarper(top_p)(None, ref)
+        kept = ex.filter_top_p_top_k(probs, top_p=top_p, top_k=top_k) > 0
+        assert torch.equal(kept, ref > -float("inf")), (trial, top_k, top_p)
+        cases += 1
+        # and the sampler draws only kept tokens
+        tokens, _ = ex.sample_next_token(probs.log(), torch.Generator().manual_seed(trial), top_p=top_p, top_k=top_k)
+        assert kept.gather(1, tokens[:, None]).all()
+    assert cases == 300

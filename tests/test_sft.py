@@ -192,13 +192,6 @@ def test_roles_outputs_and_mask_outputs(tokenizer):
         sft.build_example(tokenizer, row["problem"], row["completion"], outputs=["5"])
 
 
-THINK_TEMPLATE = (  # Qwen3-like: the last assistant turn gets an (empty) think block
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.mark.parametrize("row, msg", [
     ({"problem": "p", "completion": 12345}, "field 'completion' must be a string, got int"),
     ({"problem": ["p"], "completion": "c"}, "field 'problem' must be a string"),
@@ -212,20 +205,43 @@ def test_bad_trajectory_rows_name_file_line_and_field(tmp_path, row, msg):
         sft.load_sft_data(path, tiny.make_tokenizer(), max_len=4096)
 
 
-@pytest.mark.timeout(30)
-def test_template_variants(tmp_path):
-    tok = tiny.make_tokenizer()
-    tok.chat_template = THINK_TEMPLATE
-    ex = sft.build_example(tok, "Hello", ", World!")
-    prompt = executor.build_prompt_ids(tok, "Hello")
-    think = tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-    assert ex["ids"] == prompt + think + tok.encode(", World!", add_special_tokens=False) + [tok.eos_token_id]
-    assert ex["roles"][len(prompt):] == [ROLE_MODEL] * (len(ex["ids"]) - len(prompt))  # the model writes it
-    # a template whose generation prompt is not a prefix of the rendered turn: a loud error with file:line
-    tok.chat_template = THINK_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<plan>{% endif %}")
-    path = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(2))
-    with pytest.raises(ValueError, match=r"t\.jsonl:1: .*prompt ids"):
-        sft.load_sft_data(path, tok, max_len=4096)
+TRAJECTORY = ("Add, then double.\n```python\nprint(2 + 3)\n```\n```output\n5\n```\n"
+              "```python\nprint(5 * 2)\n```\n```output\n10\n```\n\\boxed{10}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", list(tiny.FAMILY_TEMPLATES))
+def test_sft_ids_are_the_ids_the_engine_fed_for_every_template_family(family):
+    """SFT builds a trajectory's ids as the engine builds a rollout: prompt ids with the
+    generation prompt, the segments, the end-of-turn id; never the template's rendering of
+    the assistant turn. A scripted policy that writes the SFT ids' model tokens gets exactly
+    those ids (and roles) back from the engine, for templates mimicking Qwen3-Thinking
+    (trajectory inside the think block the generation prompt opened, closed before the
+    answer), Qwen3 with enable_thinking=False, ChatML, Llama-3 (BOS, headers, <|eot_id|>
+    while EOS is another id), nothing after the end-of-turn token, and no end-of-turn token."""
+    from test_engine import Scripted
+    tok, kw = tiny.make_family_tokenizer(family)
+    completion = TRAJECTORY.replace("\\boxed", "</think>\n\n\\boxed") if family == "qwen3_thinking" else TRAJECTORY
+    q = "What is (2 + 3) * 2?"
+    ex = sft.build_example(tok, q, completion, outputs=["5\n", "10\n"], **kw)
+    prompt = executor.build_prompt_ids(tok, q, **kw)
+    model = Scripted(tiny.make_model(tok), [ex["ids"]], tok.eos_token_id)
+    with executor.Sandbox(workers=1) as sb:
+        s = executor.rollout(model, tok, [prompt], sb, temperature=0.0)[0]
+    assert s.ids == ex["ids"] and s.roles == ex["roles"]
+    assert s.text == completion and s.pred == "10" and s.finish_reason == "stop"
+    assert ex["ids"][:len(prompt)] == prompt and s.plan_text == "Add, then double.\n"
+    eot = "<|eot_id|>" if family == "llama3" else "<|im_end|>"  # "plain" writes none: the EOS
+    assert ex["ids"][-1] == tok.convert_tokens_to_ids(eot) and ex["roles"][-1] == ROLE_MODEL
+    tail = {"qwen3_thinking": "<|im_start|>assistant\n<think>\n",
+            "qwen3_no_thinking": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+            "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "plain": "assistant: "}
+    assert tok.decode(prompt).endswith(tail.get(family, "<|im_start|>assistant\n"))
+    if family == "llama3":
+        assert prompt[0] == tok.bos_token_id and tok.eos_token_id != ex["ids"][-1]
+    if family == "qwen3_thinking":  # the template's own rendering of the turn drops the plan and blocks
+        msgs = executor.prompt_messages(q) + [{"role": "assistant", "content": completion}]
+        assert "Add, then double." not in tok.apply_chat_template(msgs, tokenize=False)
 
 
 # -----------------------------------------------------------------------------
@@ -264,6 +280,38 @@ def test_chunked_logprobs_match_full_softmax(model):
         t2 = sft.token_logprobs(model, ids, mask, temperature=2.0)
     ref2 = torch.log_softmax(logits[:, :-1] / 2, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(t2[:, 1:], ref2, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(30)
+def test_entropy_with_a_masked_token_and_non_finite_logits(model):
+    """A vocabulary entry masked to -inf adds exactly 0 to the entropy (not 0 * -inf = NaN);
+    a NaN or +inf logit is an error naming the trainer's logprob path and the row."""
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    m = copy.deepcopy(model)
+    head = m.get_output_embeddings()
+
+    def set_column(value, row=slice(None)):
+        def hook(module, inputs, out):
+            out = out.clone()
+            out[row, :, 7] = value
+            return out
+        return head.register_forward_hook(hook)
+
+    h = set_column(-float("inf"))
+    with torch.no_grad():
+        lp, ent = sft.token_logprobs(m, ids, mask, chunk_size=4, return_entropy=True)
+        logits = head(m.get_decoder()(input_ids=ids).last_hidden_state).float()[:, :-1]  # (B, T - 1, V), hooked
+    h.remove()
+    p = torch.softmax(logits, -1)
+    ref = -(p * torch.log_softmax(logits, -1)).nan_to_num(0.0).sum(-1)  # 0 * -inf := 0 by hand
+    assert torch.isfinite(ent).all() and (p[..., 7] == 0).all()
+    torch.testing.assert_close(ent[:, 1:], ref, atol=1e-5, rtol=0)
+    for bad in (float("nan"), float("inf")):
+        h = set_column(bad, row=1)
+        with pytest.raises(ValueError, match=r"token_logprobs: non-finite logits .* in row 1"):
+            sft.token_logprobs(m, ids, mask, chunk_size=4)
+        h.remove()
 
 
 @pytest.mark.parametrize("start", [0, 1, 9, 22, 40])

@@ -59,3 +59,71 @@ def save_tiny(path, seed: int = 0) -> str:
     make_model(tok, seed).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+# Chat templates that mimic the model families the project is used with (for the tests that
+# check SFT ids against the engine's ids; only the structure around the turns matters).
+FAMILY_TEMPLATES = {
+    # Qwen2.5 / ChatML: what make_tokenizer() has
+    "chatml": CHAT_TEMPLATE,
+    # Qwen3-Thinking-2507: the generation prompt opens a think block; a past assistant turn is
+    # rendered without its reasoning (the text up to </think> is stripped)
+    "qwen3_thinking": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+        "{{ m['content'].split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"),
+    # Qwen3 (hybrid) with enable_thinking=False: an empty think block in the generation prompt,
+    # and one added to the last assistant turn when a conversation is rendered
+    "qwen3_no_thinking": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"),
+    # Llama-3: a BOS, header tokens, trimmed contents, <|eot_id|> ends a turn (EOS is another id)
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    # nothing after the end-of-turn token
+    "chatml_no_newline": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    # no end-of-turn token at all after an assistant turn: the tokenizer's EOS ends it
+    "plain": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}assistant: {% endif %}"),
+}
+
+
+def make_family_tokenizer(family: str):
+    """(tokenizer, template kwargs): make_tokenizer() with FAMILY_TEMPLATES[family] and the
+    family's special tokens (Qwen3's <think> / </think>, Llama-3's BOS, headers and EOT)."""
+    tok = make_tokenizer()
+    tok.chat_template = FAMILY_TEMPLATES[family]
+    if family.startswith("qwen3"):
+        tok.add_tokens(["<think>", "</think>"])
+    if family == "llama3":
+        tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                                "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                              "<|eot_id|>"]})
+    return tok, ({"enable_thinking": False} if family == "qwen3_no_thinking" else {})
+
+
+def make_sp_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2 / Mistral-style SentencePiece tokenizer: '▁' marks a space (a word's
+    leading space is part of its token: 'import math' is 'import' + '▁math'), a '▁' is
+    prepended to the text, characters outside the vocabulary fall back to byte tokens
+    <0xNN>, and the decoder strips the first leading space (Llama-2's tokenizer.json)."""
+    from tokenizers import normalizers
+    specials = ["<unk>", "<s>", "</s>"]
+    ascii_ = [chr(i) for i in range(33, 127)]
+    words = ["import", "print", "math", "python", "output", "boxed", "```", "pi"]
+    vocab = ([(t, 0.0) for t in specials] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+             + [("▁", -3.0)] + [(p + w, -1.0) for w in words for p in ("", "▁")]
+             + [(p + c, -2.0) for c in ascii_ for p in ("", "▁")])
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>", chat_template=CHAT_TEMPLATE)
