@@ -1470,7 +1470,7 @@ def cli(main, argv=None, interrupted=None) -> int:
             raise
         code = 1 if full else 2
         message = ("error: no space left on device" if full else f"error: {e}" if isinstance(e, InputError)
-                   else f"error: {e.filename}: {e.strerror}")
+                   else f"error: {e.filename}: {str(e.strerror).lower()}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
