@@ -205,8 +205,9 @@ def check_run_args(args, args_path: str) -> None:
         saved = json.load(f)
     for name in RUN_ARGS:
         if name in saved and saved[name] != getattr(args, name):
-            raise ex.InputError(f"{args_path}: the trajectories in {args.out} were made with --{name.replace('_', '-')} "
-                             f"{saved[name]!r}, this run has {getattr(args, name)!r}: use the same or another --out")
+            raise ex.InputError(f"{args_path}: the trajectories in {args.out} were made with "
+                                f"--{name.replace('_', '-')} {saved[name]!r}, this run has {getattr(args, name)!r}: "
+                                "use the same or another --out")
 
 
 def parse_args(argv=None):
@@ -236,7 +237,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model tokens per sample; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed blocks per sample")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds, wall clock, per block")
-    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     # filter
     p.add_argument("--min-blocks", type=ex.nonneg_int, default=3, help="rule (iii): at least this many code blocks")
     p.add_argument("--max-plan-share", type=ex.unit_float, default=0.5,
