@@ -1497,7 +1497,7 @@ def check_out(folder: str, stage: str) -> None:
         with open(path, encoding="utf-8") as f:
             other = json.load(f).get("stage", stage)
         if other != stage:
-            raise InputError(f"--out {folder} holds a {other}.py run ({path}): give another --out")
+            raise InputError(f"--out {folder} holds a run of {other}.py ({path}): give another --out")
 
 
 def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
