@@ -192,24 +192,6 @@ def work_key(problem: dict, j: int) -> tuple:
     return problem["id"], problem["problem"], problem["answer"], j
 
 
-def check_run_args(args, args_path: str) -> None:
-    """Refuse to append to trajectories made with other RUN_ARGS than this run's: compares
-    with the arguments the run saved in `args_path` (beside --out), if any.
-
-    Raises:
-        InputError naming the file and the first differing flag.
-    """
-    if not os.path.exists(args_path):
-        return
-    with open(args_path, encoding="utf-8") as f:
-        saved = json.load(f)
-    for name in RUN_ARGS:
-        if name in saved and saved[name] != getattr(args, name):
-            raise ex.InputError(f"{args_path}: the trajectories in {args.out} were made with "
-                                f"--{name.replace('_', '-')} {saved[name]!r}, this run has {getattr(args, name)!r}: "
-                                "use the same or another --out")
-
-
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
@@ -267,7 +249,7 @@ def main(argv=None):
         raise ex.InputError(f"--out {out}: a folder, not a .jsonl file")
     ex.check_out(os.path.dirname(os.path.abspath(out)), "distill")
     if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
-        check_run_args(args, args_path)
+        ex.check_same_args(args_path, args, RUN_ARGS, f"the trajectories in {out}")
     # 1) problems and exemplars, read before anything is written (bad input changes no file)
     problems = ex.read_problems(args.data)[:args.limit or None]
     exemplars = load_exemplars(args.exemplars)

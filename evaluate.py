@@ -567,15 +567,7 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     changed). Raises InputError saying what differs."""
     if not done:
         return
-    saved_path = os.path.join(out_dir, "args.json")
-    saved = {}
-    if os.path.exists(saved_path):
-        with open(saved_path, encoding="utf-8") as f:
-            saved = json.load(f)
-    for name in SAMPLING_ARGS:
-        if name in saved and saved[name] != getattr(args, name):
-            raise InputError(f"{out_dir} holds samples made with --{name.replace('_', '-')} {saved[name]}, this run "
-                             f"has {getattr(args, name)}: rerun with the same, or use another --out")
+    ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
     for key, row in done.items():
         q = problems.get(key[:2])

@@ -1500,6 +1500,19 @@ def check_out(folder: str, stage: str) -> None:
             raise InputError(f"--out {folder} holds a run of {other}.py ({path}): give another --out")
 
 
+def check_same_args(path: str, args, names, what: str) -> None:
+    """Refuse to add to a run whose arguments (saved in `path`, if it exists) differ from
+    this run's in any of `names`: InputError naming the first differing flag."""
+    saved = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    for name in names:
+        if name in saved and saved[name] != getattr(args, name):
+            raise InputError(f"{path}: {what} were made with --{name.replace('_', '-')} {saved[name]!r}, this run "
+                             f"has {getattr(args, name)!r}: rerun with the same, or use another --out")
+
+
 def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
     """Yield (line number, object) for each non-blank line of a JSONL file (`json_kw` go to
     json.loads). With `torn_tail_ok`, a last line without its newline (a write cut by a
