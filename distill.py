@@ -17,7 +17,7 @@ In:  --teacher (HF model directory or .gguf), --data problems JSONL {"id", "prob
 Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share");
      <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
      <stem>.summary.json (counts and shares per rule, acceptance, means, args).
-Resumable: whole-line appends; a rerun skips every (id, sample_idx) in either file.
+Resumable: whole-line appends; a rerun skips every (problem, sample_idx) in either file.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
     torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 import executor as ex
-from sft import cleanup_distributed, setup_distributed
+from sft import cleanup_distributed, print0, setup_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -258,10 +258,6 @@ def main(argv=None):
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
     barrier = dist.barrier if world > 1 else (lambda: None)
-
-    def print0(*a):
-        if rank == 0:
-            print(*a, flush=True)
 
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
