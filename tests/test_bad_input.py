@@ -352,3 +352,15 @@ def test_full_disk_says_so_and_leaves_no_partial_checkpoint(tiny_dir, files, tmp
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.splitlines()[-1] == "sft.py: error: no space left on device"
     assert sorted(os.listdir(out)) == ["args.json", "log.jsonl"]  # no step_000001.tmp/
+
+
+@pytest.mark.parametrize("module, default", [(distill, "rule (iv): plan tokens / completion tokens must be below this "
+                                              "(default: 0.5)"),
+                                             (ev, "samples per problem (avg@k, pass@k, maj@k) (default: 16)"),
+                                             (grpo, "clip: ratio <= 1 + eps_high (default: 0.28)"),
+                                             (sft, "peak learning rate (default: 7e-06)")])
+def test_help_shows_every_default(module, default, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(["--help"])
+    assert e.value.code == 0
+    assert default in " ".join(capsys.readouterr().out.split())
