@@ -37,7 +37,7 @@ def make_args(*extra, **kw):
     base = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "micro_batch": 4,
             "rollout_prompts": 0, "lr": 1e-2, "save_every": 0, "keep_every": 0}
     base.update(kw)
-    argv = ["--data", "unused.jsonl", "--out", "unused"] + list(extra)
+    argv = ["--out", "unused"] + list(extra)  # the default --data (a parse checks that it exists)
     args = grpo.parse_args(argv)
     for k, v in base.items():
         setattr(args, k, v)
@@ -191,7 +191,7 @@ def test_gradient_independent_of_micro_batching_L2(tokenizer):
 
 @pytest.mark.timeout(10)
 def test_defaults_have_no_hidden_terms_L8():
-    args = grpo.parse_args(["--data", "x", "--out", "y"])
+    args = grpo.parse_args(["--out", "y"])
     assert (args.group_size, args.prompts_per_step, args.eps_low, args.eps_high) == (8, 128, 0.20, 0.28)
     assert (args.temperature, args.lr, args.updates_per_step, args.dynamic_sampling) == (1.0, 1e-6, 1, False)
     assert (args.max_context, args.max_tool_calls, args.steps) == (16384, 20, 280)
