@@ -386,10 +386,9 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
     return {"ids": ids, "roles": roles}
 
 
-def read_trajectories(path: str) -> list:
-    """The rows of a trajectory JSONL as (where, problem, completion, outputs or None),
-    checked before any model is loaded. Raises InputError naming file:line for a bad row."""
-    rows = []
+def read_trajectories(path: str):
+    """Yield the rows of a trajectory JSONL as (where, problem, completion, outputs or
+    None), checked without a tokenizer. Raises InputError naming file:line for a bad row."""
     for n, row in executor.read_jsonl(path):
         where = f"{path}:{n}"
         problem = row.get("problem", row.get("question"))
@@ -402,8 +401,7 @@ def read_trajectories(path: str) -> list:
         if blocks is not None and not (isinstance(blocks, list) and all(
                 isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
             raise executor.InputError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
-        rows.append((where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None))
-    return rows
+        yield where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None
 
 
 def load_sft_data(data, tokenizer, max_len: int):
@@ -780,7 +778,7 @@ def main(argv=None):
     if args.global_batch % (args.micro_batch * world):
         raise executor.InputError(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
                                   f"{args.micro_batch} x {world} ranks")
-    rows = read_trajectories(args.data)  # bad rows end the run before the model loads
+    rows = list(read_trajectories(args.data))  # bad rows end the run before the model loads
     accum = args.global_batch // (args.micro_batch * world)
     print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
