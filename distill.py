@@ -28,7 +28,6 @@ Departures from the paper:
      is not learned. --allow-unfinished restores the paper's four rules.
   2. The exemplars are this project's own three problems (the paper's are not released).
 """
-import argparse
 import json
 import os
 import re

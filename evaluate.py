@@ -38,7 +38,6 @@ Departures from the paper (it does not define these details):
      the number of ranks, so a sample is reproduced by rerunning its wave (its row names
      the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
-import argparse
 import datetime
 import json
 import math

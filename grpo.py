@@ -26,7 +26,6 @@ Departures from the paper (which does not describe these details):
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
 """
-import argparse
 import copy
 import json
 import os
