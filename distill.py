@@ -19,7 +19,7 @@ In:  --teacher (HF model directory or .gguf), --data problems JSONL {"id", "prob
 Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share");
      <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
      <stem>.summary.json (counts and shares per rule, acceptance, means, args).
-Resumable: whole-line appends; a rerun skips every (id, sample_idx) in either file.
+Resumable: whole-line appends; a rerun skips every (problem, sample_idx) in either file.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
     torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
@@ -30,7 +30,6 @@ Departures from the paper:
      is not learned. --allow-unfinished restores the paper's four rules.
   2. The exemplars are this project's own three problems (the paper's are not released).
 """
-import argparse
 import json
 import os
 import sys
@@ -71,7 +70,10 @@ def load_exemplars(path: str) -> list:
     """Read and check the few-shot exemplars (each must parse as plan / blocks / box)."""
     rows = ex.read_jsonl_tolerant(path)
     for r in rows:
-        split_completion(r["completion"])
+        try:
+            split_completion(str(r.get("completion", "")))
+        except ValueError as e:
+            raise ex.InputError(f"{path}: exemplar {r.get('id')!r}: {e}") from None
     return rows
 
 
@@ -166,67 +168,54 @@ RUN_ARGS = ("teacher", "exemplars", "dtype", "temperature", "top_p", "top_k", "m
             "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished", "stateful")
 
 
-def check_run_args(args, args_path: str) -> None:
-    """Refuse to append to trajectories made with other RUN_ARGS than this run's: compares
-    with the arguments the run saved in `args_path` (beside --out), if any.
-
-    Raises:
-        ValueError naming the file and the first differing flag.
-    """
-    if not os.path.exists(args_path):
-        return
-    with open(args_path, encoding="utf-8") as f:
-        saved = json.load(f)
-    for name in RUN_ARGS:
-        if name in saved and saved[name] != getattr(args, name):
-            raise ValueError(f"{args_path}: the trajectories in {args.out} were made with --{name.replace('_', '-')} "
-                             f"{saved[name]!r}, this run has {getattr(args, name)!r}: use the same or another --out")
+def work_key(problem: dict, j: int) -> tuple:
+    """What resume keys sample j of a problem on: the problem itself (id, text, answer),
+    so a reused id with another problem is new work. Trajectory rows carry the same fields."""
+    return problem["id"], problem["problem"], problem["answer"], j
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
+    p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
-    p.add_argument("--teacher", default=ex.DEFAULT_TEACHER,
-                   help="teacher: Hugging Face model directory, .gguf file or packaged model name "
-                   "(default: the packaged Qwen2.5-Coder-1.5B)")
-    p.add_argument("--data", default=os.path.join(HERE, "data", "demo_problems.jsonl"),
-                   help="problems JSONL: one {id, problem, answer} per line (default: data/demo_problems.jsonl)")
+    p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER,
+                   help="teacher: Hugging Face model directory, .gguf file or packaged model name")
+    p.add_argument("--data", type=ex.input_file, default=os.path.join(HERE, "data", "demo_problems.jsonl"),
+                   help="problems JSONL: one {id, problem, answer} per line")
     p.add_argument("--out", default="runs/distill/traj.jsonl",
                    help="kept trajectories JSONL; rejected / summary files go beside it")
-    p.add_argument("--exemplars", default=os.path.join(HERE, "data", "exemplars.jsonl"),
+    p.add_argument("--exemplars", type=ex.input_file, default=os.path.join(HERE, "data", "exemplars.jsonl"),
                    help="few-shot exemplars JSONL (all of its rows are used)")
-    p.add_argument("--limit", type=int, default=0, help="use the first N problems only; 0 = all")
+    p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")
     # sampling (paper: 1 sample per problem)
-    p.add_argument("--samples-per-problem", type=int, default=1, help="trajectories per problem")
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1.0 = off")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--samples-per-problem", type=ex.positive_int, default=1, help="trajectories per problem")
+    p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="0 = greedy")
+    p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
+    p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="base seed; a batch's seed also depends on its first problem")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--batch-size", type=ex.positive_int, default=8,
                    help="problems per rollout call, per rank (x samples-per-problem sequences in memory)")
     # budgets
-    p.add_argument("--max-context", type=int, default=32768,
-                   help="tokens, prompt (3 exemplars included) + completion; reaching it ends a sample")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="model tokens per sample; 0 = no limit")
-    p.add_argument("--max-tool-calls", type=int, default=40, help="executed blocks per sample")
-    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds, wall clock, per block")
-    p.add_argument("--exec-workers", type=int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768,
+                   help="tokens, prompt (3 exemplars included) + completion; reaching it ends a sample; "
+                   "a problem whose prompt leaves no room is skipped and counted")
+    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model tokens per sample; 0 = no limit")
+    p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed blocks per sample")
+    p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds, wall clock, per block")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--stateful", action="store_true",
                    help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # filter
-    p.add_argument("--min-blocks", type=int, default=3, help="rule (iii): at least this many code blocks")
-    p.add_argument("--max-plan-share", type=float, default=0.5,
+    p.add_argument("--min-blocks", type=ex.nonneg_int, default=3, help="rule (iii): at least this many code blocks")
+    p.add_argument("--max-plan-share", type=ex.unit_float, default=0.5,
                    help="rule (iv): plan tokens / completion tokens must be below this")
     p.add_argument("--allow-unfinished", action="store_true",
                    help="keep trajectories that ended by a budget (the paper's four rules only)")
     # model
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16; default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="None: bf16 on GPU, fp32 on CPU")
     p.add_argument("--refresh-exemplars", action="store_true",
                    help="only re-run the exemplar blocks and rewrite their output blocks, then exit")
-    args = p.parse_args(argv)
-    if not args.refresh_exemplars and not (args.teacher and args.data and args.out):
-        p.error("--teacher, --data and --out are required")
-    return args
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
@@ -238,51 +227,70 @@ def main(argv=None):
         refresh_exemplars(args.exemplars, args.exec_timeout)
         print(f"rewrote the output blocks of {args.exemplars}")
         return
+    out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
+    summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
+    if os.path.isdir(out):
+        raise ex.InputError(f"--out {out}: a folder, not a .jsonl file")
+    ex.check_out(os.path.dirname(os.path.abspath(out)), "distill")
+    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
+        ex.check_same_args(args_path, args, RUN_ARGS, f"the trajectories in {out}")
+    # 1) problems and exemplars, read before anything is written (bad input changes no file)
+    problems = ex.read_problems(args.data)[:args.limit or None]
+    exemplars = load_exemplars(args.exemplars)
+
     # gloo even on GPUs: the only collectives are two barriers, which ranks may reach hours
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
     barrier = dist.barrier if world > 1 else (lambda: None)
-    out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
-    summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
-    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
-        check_run_args(args, args_path)
+
     if rank == 0:
-        ex.write_json_atomic(args_path, vars(args))  # creates the folder of --out
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
         for path in (out, rejected_path):
             if cut := ex.drop_torn_tail(path):
                 print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)
     barrier()  # no rank reads or appends before the torn lines are gone
 
-    # 1) problems, exemplars, and what earlier runs already wrote
-    problems = ex.read_problems(args.data)[:args.limit or None]  # --limit 0: all
-    exemplars = load_exemplars(args.exemplars)
+    # what earlier runs already wrote, keyed on the problem itself (a reused id with another
+    # problem or answer is new work)
     k = args.samples_per_problem
-    done = {(r["id"], r["sample_idx"]) for path in (out, rejected_path)
-            for r in ex.read_jsonl_tolerant(path)}
+    done = {work_key(r, r["sample_idx"]) for path in (out, rejected_path) for r in ex.read_jsonl_tolerant(path)}
     # shard by position in the file (stable across resumes), then skip finished problems
     mine = [(i, p) for i, p in enumerate(problems) if i % world == rank
-            and any((p["id"], j) not in done for j in range(k))]
-    n_todo = sum((p["id"], j) not in done for p in problems for j in range(k))
-    print0(f"problems {len(problems)} x {k} samples: {n_todo} of {len(problems) * k} trajectories to sample "
-           f"on {world} rank(s), in batches of <= {args.batch_size} problems")
+            and any(work_key(p, j) not in done for j in range(k))]
+    n_todo = sum(work_key(p, j) not in done for p in problems for j in range(k))
+    print0(f"problems {len(problems)} x {k} samples = {len(problems) * k} trajectories; "
+           f"{len(problems) * k - n_todo} done before, {n_todo} to sample on {world} rank(s); "
+           f"rank 0: {len(mine)} problems in {-(-len(mine) // args.batch_size)} batches of <= {args.batch_size}")
 
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
     if mine:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
+        # prompts are measured before any forward: one with no room for a token under
+        # --max-context is skipped and counted, never prefilled
+        base = len(teacher_prompt_ids(tokenizer, "", exemplars))
+        if base >= args.max_context:
+            raise ex.InputError(f"--max-context {args.max_context}: the system prompt and exemplars alone are "
+                                f"{base} tokens")
+        prompt_ids = {i: teacher_prompt_ids(tokenizer, p["problem"], exemplars, args.stateful) for i, p in mine}
+        mine = [(i, p) for i, p in mine if len(prompt_ids[i]) < args.max_context]
+        if len(mine) < len(prompt_ids):
+            print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "
+                  f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
-            prompts = [teacher_prompt_ids(tokenizer, p["problem"], exemplars, args.stateful) for _, p in batch]
+            prompts = [prompt_ids[i] for i, _ in batch]
             samples = ex.rollout(model, tokenizer, prompts, sandbox, n=k, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                                  max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                                  seed=args.seed * 1_000_003 + batch[0][0], stateful=args.stateful)
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
-                    for i, (_, p) in enumerate(batch) for j in range(k) if (p["id"], j) not in done]
+                    for i, (_, p) in enumerate(batch) for j in range(k) if work_key(p, j) not in done]
             for row in rows:
                 row["plan_share"] = plan_share(row)
             reasons = [filter_reasons(row, args.min_blocks, args.max_plan_share, not args.allow_unfinished)
@@ -305,5 +313,12 @@ def main(argv=None):
     cleanup_distributed()
 
 
+def interrupted() -> str:
+    """The line a Ctrl-C prints: what is kept, and the command that continues."""
+    args = parse_args()
+    return (f"the trajectories written so far are kept in {args.out} and {sibling(args.out, '.rejected.jsonl')}; "
+            f"resume: {ex.command_line()}")
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(ex.cli(main, interrupted=interrupted))

@@ -38,7 +38,6 @@ Departures from the paper (it does not define these details):
      the number of ranks, so a sample is reproduced by rerunning its wave (its row names
      the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
-import argparse
 import datetime
 import json
 import math
@@ -48,12 +47,10 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from executor import grade, number_value, split_completion, write_json_atomic
+import executor as ex
+from executor import InputError, grade, number_value, split_completion, write_json_atomic
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
-REQUIRED_FIELDS = ("id", "answer", "pred", "correct", "sample_idx", "benchmark",
-                   "finish_reason", "completion", "blocks", "n_code_blocks", "n_exec_errors",
-                   "completion_tokens", "model_tokens", "plan_tokens")
 
 # -----------------------------------------------------------------------------
 # Accuracy: avg@k, pass@k, maj@k
@@ -331,11 +328,12 @@ def markdown_table(metrics: dict) -> str:
 # Files
 
 
-# the type of each field a metric reads (bool is not an int here: `"correct": "false"` or
+# the fields a metric reads and their types (bool is not an int here: `"correct": "false"` or
 # `"sample_idx": true` is an error, not a silently wrong number)
-FIELD_TYPES = {"id": str, "benchmark": str, "answer": str, "correct": bool, "sample_idx": int,
-               "finish_reason": str, "completion": str, "blocks": list, "n_code_blocks": int,
+FIELD_TYPES = {"id": str, "benchmark": str, "answer": str, "pred": (str, type(None)), "correct": bool,
+               "sample_idx": int, "finish_reason": str, "completion": str, "blocks": list, "n_code_blocks": int,
                "n_exec_errors": int, "completion_tokens": int, "model_tokens": int, "plan_tokens": int}
+RANK_FILE = re.compile(r"samples\.rank\d+\.jsonl")   # a rank's samples while a run is in progress
 
 
 def load_samples(path: str, torn_tail_ok: bool = False) -> list:
@@ -344,71 +342,38 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
     atomically, so there a torn line is an error.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: a bad JSON line, a row missing one of REQUIRED_FIELDS or with a field of
-            the wrong type (FIELD_TYPES; `pred` a string or null), or a second row for the
-            same (benchmark, id, sample_idx); the message names file, line and field.
+        OSError: no such file.
+        InputError (a ValueError) naming file, line and field: a bad JSON line, a row
+            missing one of FIELD_TYPES or with a field of another type (`pred`: a string or
+            null), or a second row for the same (benchmark, id, sample_idx).
     """
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
     rows, seen = [], {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if torn_tail_ok and lineno == len(lines) and not line.endswith("\n"):
-                break
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object")
-        missing = [k for k in REQUIRED_FIELDS if k not in row]
+    for lineno, row in ex.read_jsonl(path, torn_tail_ok):
+        missing = [k for k in FIELD_TYPES if k not in row]
         if missing:
-            raise ValueError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            raise InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         for k, t in FIELD_TYPES.items():
-            v = row[k]
-            if not isinstance(v, t) or (t is int and isinstance(v, bool)):
-                raise ValueError(f"{path}:{lineno}: field '{k}' must be {t.__name__}, got {v!r}")
-        if row["pred"] is not None and not isinstance(row["pred"], str):
-            raise ValueError(f"{path}:{lineno}: field 'pred' must be a string or null, got {row['pred']!r}")
+            if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
+                raise InputError(f"{path}:{lineno}: field '{k}' must be {getattr(t, '__name__', 'str or null')}, "
+                                 f"got {row[k]!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if key in seen:
-            raise ValueError(f"{path}:{lineno}: duplicate of line {seen[key]} "
-                             f"(benchmark, id, sample_idx) = {key}")
+            raise InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
         seen[key] = lineno
         rows.append(row)
     return rows
 
 
-RANK_FILE = re.compile(r"samples\.rank\d+\.jsonl")   # a rank's samples while a run is in progress
-
-
-class InputError(Exception):
-    """A problem with the user's input (files, arguments, a run directory): main prints
-    the message as one line and exits with code 2."""
-
-
 def merged_samples(out_dir: str) -> dict:
     """Every sample row found in out_dir: samples.jsonl (a finished run's merge) and
-    samples.rank*.jsonl (in-progress rows of any earlier world size), each read with
-    load_samples (a torn last line of a rank's file, from a killed write, is ignored). Returns
-    {(benchmark, id, sample_idx): row}; the same key in two files must hold the same row.
-
-    Raises:
-        InputError: a bad line, a row missing a field, or conflicting rows for one key.
-    """
+    samples.rank*.jsonl (in-progress rows of any earlier world size, a torn last line
+    ignored). Returns {(benchmark, id, sample_idx): row}; the same key in two files must
+    hold the same row. Raises InputError (see load_samples) or for conflicting rows."""
     names = sorted(n for n in os.listdir(out_dir) if RANK_FILE.fullmatch(n)) if os.path.isdir(out_dir) else []
     rows, where = {}, {}
     for name in ["samples.jsonl"] + names:
         path = os.path.join(out_dir, name)
-        if not os.path.exists(path):
-            continue
-        try:
-            file_rows = load_samples(path, torn_tail_ok=name != "samples.jsonl")
-        except ValueError as e:
-            raise InputError(str(e)) from None
-        for row in file_rows:
+        for row in load_samples(path, torn_tail_ok=name != "samples.jsonl") if os.path.exists(path) else []:
             key = (row["benchmark"], row["id"], row["sample_idx"])
             if key in rows and rows[key] != row:
                 raise InputError(f"{path}: sample {key} differs from the one in {where[key]} "
@@ -421,64 +386,51 @@ def merged_samples(out_dir: str) -> dict:
 # Config
 
 
-# arguments that change what a sample is: a run folder is only resumed with the same ones
-SAMPLING_ARGS = ("model", "dtype", "temperature", "top_p", "top_k", "max_context",
-                 "max_new_tokens", "max_tool_calls", "seed", "exec_timeout", "stateful")
+# the run's identity: everything that decides which samples exist and what they are (waves
+# depend on the data, --limit, --batch-size and k). A run folder is resumed only with the same.
+SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "temperature", "top_p", "top_k",
+                 "max_context", "max_new_tokens", "max_tool_calls", "seed", "exec_timeout", "stateful")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, "
-                                "pass@k, maj@k, code-grounded rate, Recovery@k and trajectory "
-                                "diagnostics. Launch with python or torchrun.")
+    p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, pass@k, maj@k, "
+                          "code-grounded rate, Recovery@k and trajectory diagnostics. Launch with python or torchrun.")
     # model and data
-    p.add_argument("--model", default=None, help="policy: HF model dir, .gguf file or packaged "
-                   "model name (default: executor.DEFAULT_POLICY)")
+    p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY,
+                   help="policy: HF model dir, .gguf file or packaged model name")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--data", nargs="+", metavar="JSONL",
+                   help="weights dtype (None: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file,
                    default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")],
-                   help="problems files, one benchmark each (named by the file stem); default: "
-                   "data/demo_problems.jsonl")
-    p.add_argument("--limit", type=int, default=0, help="first N problems of each file; 0 = all")
+                   help="problems files, one benchmark each (named by the file stem)")
+    p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (created; a folder "
                    "holding a killed run of the same command is resumed)")
     # sampling (paper defaults)
-    p.add_argument("--k", type=int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
-    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1.0 = off")
-    p.add_argument("--top-k", type=int, default=0, help="top-k filter; 0 = off")
-    p.add_argument("--max-context", type=int, default=32768,
+    p.add_argument("--k", type=ex.positive_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
+    p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
+    p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="top-k filter; 0 = off")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768,
                    help="tokens of prompt + completion (model and interpreter output) per sample")
-    p.add_argument("--max-new-tokens", type=int, default=0,
+    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0,
                    help="model-written tokens per sample; 0 = no limit beyond --max-context")
-    p.add_argument("--max-tool-calls", type=int, default=40, help="executed code blocks per sample")
+    p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed code blocks per sample")
     p.add_argument("--seed", type=int, default=0, help="base seed; each wave's rollout seed is "
                    "derived from it, the benchmark, the wave's problem ids and k")
     # throughput
-    p.add_argument("--batch-size", type=int, default=4, help="problems per rollout call (a wave "
+    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave "
                    "of batch-size x k sequences shares the KV cache, per rank); lower it if out "
                    "of memory. Part of what makes a sample reproducible (see waves)")
-    p.add_argument("--exec-workers", type=int, default=0,
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0,
                    help="code blocks run at once, per rank; 0 = CPUs / local ranks")
-    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
+    p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true",
                    help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # no model
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
                    "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
-    args = p.parse_args(argv)
-    if args.from_samples is None:
-        if not args.data or not args.out:
-            p.error("--data and --out are required (or --from-samples DIR)")
-        for name in ("k", "batch_size"):
-            if getattr(args, name) < 1:
-                p.error(f"--{name.replace('_', '-')} must be >= 1")
-        if args.limit < 0 or args.exec_workers < 0:
-            p.error("--limit and --exec-workers must be >= 0")
-        if args.model is None:
-            from executor import DEFAULT_POLICY
-            args.model = DEFAULT_POLICY
-    return args
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
@@ -487,23 +439,15 @@ def parse_args(argv=None):
 
 def read_benchmarks(paths, limit: int) -> dict:
     """{benchmark name (file stem): its problems (the first `limit`, 0 = all)}, in --data
-    order. Raises InputError naming the file (and line) for a missing file, a bad line, a
-    line without problem / answer, a duplicate problem id, or two files with one stem."""
-    from executor import read_problems
+    order. Raises InputError naming the file (and line) for a bad line, a line without
+    problem / answer, a duplicate problem id, or two files with one stem; OSError for a
+    missing file."""
     benches = {}
     for path in paths:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in benches:
             raise InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
-        try:
-            problems = read_problems(path)
-        except FileNotFoundError:
-            raise InputError(f"{path}: no such file") from None
-        except ValueError as e:
-            raise InputError(str(e)) from None
-        if limit:
-            problems = problems[:limit]
-        benches[name] = problems
+        benches[name] = ex.read_problems(path)[:limit or None]
     return benches
 
 
@@ -531,32 +475,19 @@ def wave_keys(wave: dict, k: int) -> list:
 
 
 def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
-    """A run folder with samples is resumed only by a compatible command: the same
-    SAMPLING_ARGS as its args.json, and every saved sample one of this run's work items
-    (benchmark, id, sample_idx < k) made for the same problem and answer. Raises
-    InputError saying what differs."""
+    """A run folder with samples is resumed only by the same run: the same SAMPLING_ARGS as
+    its args.json, and every saved sample one of this run's work items (benchmark, id,
+    sample_idx < k) made for the same problem and answer (the data files may have
+    changed). Raises InputError saying what differs."""
     if not done:
         return
-    saved_path = os.path.join(out_dir, "args.json")
-    if os.path.exists(saved_path):
-        with open(saved_path, encoding="utf-8") as f:
-            saved = json.load(f)
-        for name in SAMPLING_ARGS:
-            if name in saved and saved[name] != getattr(args, name):
-                flag = "--" + name.replace("_", "-")
-                raise InputError(f"{out_dir} holds samples made with {flag} {saved[name]}, this run "
-                                 f"has {getattr(args, name)}: use another --out")
+    ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
-    outside = [key for key in done if key[:2] not in problems or not 0 <= key[2] < args.k]
-    if outside:
-        raise InputError(f"{out_dir} holds {len(outside)} samples outside this run's problems x "
-                         f"--k {args.k} (e.g. {outside[0]}): rerun with its --data / --limit / --k, "
-                         "or use another --out")
     for key, row in done.items():
-        q = problems[key[:2]]
-        if row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
-            raise InputError(f"{out_dir}: sample {key} was made for another problem or answer than "
-                             "the data now has: use another --out")
+        q = problems.get(key[:2])
+        if q is None or key[2] >= args.k or row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
+            raise InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
+                             "(the data files changed?): use another --out")
 
 
 def write_report(out_dir: str, args_dict: dict) -> dict:
@@ -565,12 +496,7 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
     benchmark ended on a budget. The same function serves a run and --from-samples, so
     both give identical metrics. Raises InputError for a bad or missing samples file."""
     path = os.path.join(out_dir, "samples.jsonl")
-    try:
-        rows = load_samples(path)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    rows = load_samples(path)
     if not rows:
         raise InputError(f"{path}: no samples")
     metrics = summarize(rows)
@@ -597,13 +523,11 @@ def run(args) -> None:
     #    rank fails the same clean way (all ranks read the same files; a rank only ever
     #    appends to its own file, and only rows of its own waves, so what another rank
     #    reads while this one writes cannot change its decisions)
-    import executor as ex
+    ex.check_out(args.out, "evaluate")
     benches = read_benchmarks(args.data, args.limit)
     waves = make_waves(benches, args.batch_size, args.k, args.seed)
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
-    if args.model not in ex.PACKAGED_MODELS and not os.path.exists(args.model):
-        raise InputError(f"{args.model}: no such model folder or file (nor a packaged model name)")
 
     import torch.distributed as dist
     from sft import cleanup_distributed, print0, setup_distributed
@@ -620,7 +544,8 @@ def run(args) -> None:
                f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
                f"waves w % {world} == r); {len(done)} samples already in {args.out}")
         if rank == 0:
-            write_json_atomic(os.path.join(args.out, "args.json"), vars(args))  # creates --out
+            os.makedirs(args.out, exist_ok=True)
+            write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
@@ -629,17 +554,26 @@ def run(args) -> None:
             os.makedirs(args.out, exist_ok=True)
             ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
+            # every prompt is measured before any forward: one with no room for a token under
+            # --max-context would be prefilled for nothing, and a benchmark is not cut silently
+            system = ex.SYSTEM_PROMPT_STATEFUL if args.stateful else ex.SYSTEM_PROMPT
+            prompts = {(w["benchmark"], q["id"]): ex.build_prompt_ids(tok, q["problem"], system=system)
+                       for w in waves for q in w["problems"]}
+            long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
+            if long:
+                raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
+                                 f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
+                                 "raise it, or remove those problems")
             workers = args.exec_workers or max(1, (os.cpu_count() or 1)
                                                   // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
                     t0 = time.time()
-                    system = ex.SYSTEM_PROMPT_STATEFUL if args.stateful else ex.SYSTEM_PROMPT
-                    prompts = [ex.build_prompt_ids(tok, q["problem"], system=system) for q in w["problems"]]
+                    wave_prompts = [prompts[w["benchmark"], q["id"]] for q in w["problems"]]
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
                     samples = ex.rollout(
-                        model, tok, prompts, sandbox, n=args.k, temperature=args.temperature,
+                        model, tok, wave_prompts, sandbox, n=args.k, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(), stateful=args.stateful)
@@ -667,23 +601,24 @@ def run(args) -> None:
             for name in os.listdir(args.out):
                 if RANK_FILE.fullmatch(name):
                     os.remove(os.path.join(args.out, name))
-            write_report(args.out, vars(args))
+            write_report(args.out, {"stage": "evaluate", **vars(args)})
     finally:
         cleanup_distributed()
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
+    """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
-    try:
-        if args.from_samples is not None:
-            write_report(args.from_samples, {"from_samples": args.from_samples})
-        else:
-            run(args)
-    except InputError as e:
-        print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    if args.from_samples is not None:
+        write_report(args.from_samples, {"from_samples": args.from_samples})
+    else:
+        run(args)
+
+
+def interrupted() -> str:
+    """The line a Ctrl-C prints: what is kept, and the command that continues."""
+    return f"the samples of finished waves are kept in {parse_args().out}; resume: {ex.command_line()}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ex.cli(main, interrupted=interrupted))

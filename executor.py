@@ -38,16 +38,21 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
+import decimal
+import errno
 import functools
+import glob
 import io
 import json
 import linecache
 import math
+import mmap
 import os
 import random
 import re
 import resource
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -1345,24 +1350,174 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
 
 
 # -----------------------------------------------------------------------------
-# Files: problems in, samples out (shared by every stage)
+# Files: problems in, samples out, and the command-line rules every stage shares
+
+
+class InputError(ValueError):
+    """Bad input from the user: a file, a flag, a run folder. `cli` prints it as one line
+    `stage.py: error: ...` and exits with code 2."""
+
+
+def bounded(kind, low, high=math.inf, low_open=False):
+    """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] with
+    low_open). A bad value is an argparse error naming the flag (exit 2, nothing loaded)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (low < value <= high if low_open else low <= value <= high) or math.isinf(value):
+            span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
+positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
+unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
+
+
+def input_file(path: str) -> str:
+    """An argparse type: an existing file, not a folder."""
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path}: {'a folder, not a file' if os.path.isdir(path) else 'no such file'}")
+    return path
+
+
+def model_path(path: str) -> str:
+    """An argparse type: a model folder or file that exists, or a packaged model's name."""
+    if path not in PACKAGED_MODELS and not os.path.exists(path):
+        raise argparse.ArgumentTypeError(f"{path}: no such model folder or file, nor a packaged model "
+                                         f"({', '.join(PACKAGED_MODELS)})")
+    return path
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every stage's parser: --help shows each default, and a bad flag raises InputError
+    (one line from `cli`) instead of printing the whole usage."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+
+    def error(self, message):
+        raise InputError(message)
+
+
+def cli(main, argv=None, interrupted=None) -> int:
+    """Run a stage's `main(argv)` as a command and return its exit status: 2 with one line
+    `stage.py: error: ...` for bad input (InputError, or a path that cannot be read or
+    written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
+    with one line, `interrupted()`: what was kept and the command that resumes. Only rank
+    0 prints: under torchrun every rank fails the same way and the line shows once."""
+    try:
+        main(argv)
+        return 0
+    except KeyboardInterrupt:
+        code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
+    except Exception as e:  # a full disk is an OSError, or a library's own error that says so
+        full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
+            raise
+        code = 1 if full else 2
+        message = ("error: no space left on device" if full else f"error: {e}" if isinstance(e, InputError)
+                   else f"error: {e.filename}: {str(e.strerror).lower()}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def command_line(*extra: str) -> str:
+    """This process's command as one shell line (under torchrun, with its launch flags),
+    with `extra` arguments; a flag `extra` starts with drops that flag's earlier value."""
+    argv = sys.argv[1:]
+    if extra and extra[0] in argv:
+        i = argv.index(extra[0])
+        argv = argv[:i] + argv[i + 2:]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
+    return shlex.join(launch + [sys.argv[0], *argv, *extra])
+
+
+def check_out(folder: str, stage: str) -> None:
+    """Refuse a run folder that is a file or holds another stage's run: a `*args.json` in
+    it naming another "stage" (each stage saves {"stage", **args} there). Raises InputError."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(f"--out {folder}: a file, not a folder")
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json"))):
+        with open(path, encoding="utf-8") as f:
+            other = json.load(f).get("stage", stage)
+        if other != stage:
+            raise InputError(f"--out {folder} holds a run of {other}.py ({path}): give another --out")
+
+
+def check_same_args(path: str, args, names, what: str) -> None:
+    """Refuse to add to a run whose arguments (saved in `path`, if it exists) differ from
+    this run's in any of `names`: InputError naming the first differing flag."""
+    saved = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    for name in names:
+        if name in saved and saved[name] != getattr(args, name):
+            raise InputError(f"{path}: {what} were made with --{name.replace('_', '-')} {saved[name]!r}, this run "
+                             f"has {getattr(args, name)!r}: rerun with the same, or use another --out")
+
+
+def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
+    """Yield (line number, object) for each non-blank line of a JSONL file (`json_kw` go to
+    json.loads). With `torn_tail_ok`, a last line without its newline (a write cut by a
+    kill) that does not parse is ignored. Raises InputError naming file and line: bytes
+    that are not UTF-8, a line that is not JSON or not an object."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"), **json_kw)
+        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer over the int-str limit
+            if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
+                return
+            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({getattr(e, 'msg', e)})"
+            raise InputError(f"{path}:{lineno}: {what}") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        yield lineno, row
+
 
 _PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth", "solution")
 # MATH-style files have a worked `solution` whose final \boxed{} is the answer
 
 
-def _problem_value(path, lineno, key, value, numbers_ok: bool) -> str:
-    """One text field of a problems line as a stripped, non-blank string (numbers allowed
-    for answers: 1e20 becomes "100000000000000000000", not "1e+20")."""
+class _Float(float):
+    """A JSON float (or NaN, Infinity) that keeps its text, from json.loads' parse_float and
+    parse_constant hooks: 1e23 is 10^23, not the nearest double."""
+
+    def __new__(cls, text: str):
+        self = super().__new__(cls, text)
+        self.text = text
+        return self
+
+
+def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
+    """One text field of a problems line as a stripped, non-blank string. A number (answers
+    only) is taken from its JSON text: an integer keeps its digits, an integral float
+    becomes an integer (1e23 -> "100000000000000000000000"), another float stays as written;
+    NaN and infinities (1e400 included) are refused."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (isinstance(value, str) or numbers_ok and number):
         want = "a string or a number" if numbers_ok else "a string"
-        raise ValueError(f"{path}:{lineno}: field '{key}' must be {want}, got {type(value).__name__} {value!r}")
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
+        raise InputError(f"{where}: field '{key}' must be {want}, got {type(value).__name__} {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InputError(f"{where}: field '{key}': {value.text} is not a finite number")
+        exact = decimal.Decimal(value.text)
+        value = int(exact) if exact == exact.to_integral_value() else value.text
     value = str(value).strip()
     if not value:
-        raise ValueError(f"{path}:{lineno}: field '{key}' is blank")
+        raise InputError(f"{where}: field '{key}' is blank")
     return value
 
 
@@ -1370,114 +1525,73 @@ def read_problems(path: str) -> list:
     """Read a problems JSONL: one {"id", "problem", "answer"} object per line; extra fields
     are kept. `question` is accepted for the problem, `ground_truth` for the answer, and a
     worked `solution` (MATH) whose last \boxed{} is taken as the answer. The problem is a
-    string, the answer a string or a number (an integral float is written as an integer);
-    both come back as stripped strings. The id is a string or an integer; a missing (or
-    null) id becomes "<file stem>-<line>". Ids must be unique: resume, pass rates and
+    string, the answer a string or a number (read exactly, see `_problem_value`); both
+    come back as stripped strings. The id is a string or an integer; a missing (or null)
+    id becomes "<file stem>-<line>". Ids must be unique: resume, pass rates and
     --drop-solved key on them. Blank lines are skipped.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line that is not a JSON object, has no problem or no answer, a field
-            of the wrong type or blank, a repeated id, or a file without any problem;
-            the message names the file, the line number and the field.
+        OSError: no such file, or a folder.
+        InputError (a ValueError) naming the file, the line and the field: bytes that are
+            not UTF-8, a line that is not a JSON object, has no problem or no answer, a
+            field of the wrong type, blank or not finite, an integer over Python's
+            int-str limit, a repeated id, or a file without any problem.
     """
     out, first_line = [], {}
     stem = os.path.splitext(os.path.basename(path))[0]
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            for field, keys in (("problem", _PROBLEM_KEYS), ("answer", _ANSWER_KEYS)):
-                key = next((k for k in keys if row.get(k) not in (None, "")), None)
-                if key is None:
-                    raise ValueError(f"{path}:{lineno}: missing field '{field}' (or one of {keys[1:]})")
-                value = _problem_value(path, lineno, key, row[key], numbers_ok=field == "answer" and key != "solution")
-                if key == "solution":
-                    value = extract_answer(value, prose_only=False)
-                    if value is None:
-                        raise ValueError(f"{path}:{lineno}: field 'solution' has no \\boxed{{}} answer")
-                row[field] = value
-            pid = row.get("id")
-            if pid is None:
-                pid = f"{stem}-{lineno}"
-            elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
-                raise ValueError(f"{path}:{lineno}: field 'id' must be a string or an integer, got {pid!r}")
-            row["id"] = str(pid)
-            if row["id"] in first_line:
-                raise ValueError(f"{path}:{lineno}: field 'id': {row['id']!r} already on line "
-                                 f"{first_line[row['id']]} (ids must be unique: resume and pass rates key on them)")
-            first_line[row["id"]] = lineno
-            out.append(row)
+    for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
+        where = f"{path}:{lineno}"
+        for field, keys in (("problem", _PROBLEM_KEYS), ("answer", _ANSWER_KEYS)):
+            key = next((k for k in keys if row.get(k) not in (None, "")), None)
+            if key is None:
+                raise InputError(f"{where}: missing field '{field}' (or one of {keys[1:]})")
+            value = _problem_value(where, key, row[key], numbers_ok=field == "answer" and key != "solution")
+            if key == "solution":
+                value = extract_answer(value, prose_only=False)
+                if value is None:
+                    raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
+            row[field] = value
+        pid = f"{stem}-{lineno}" if row.get("id") is None else row["id"]
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")
+        row["id"] = str(pid)
+        if row["id"] in first_line:
+            raise InputError(f"{where}: field 'id': {row['id']!r} already on line {first_line[row['id']]} "
+                             "(ids must be unique: resume and pass rates key on them)")
+        first_line[row["id"]] = lineno
+        out.append(row)
     if not out:
-        raise ValueError(f"{path}: no problems in the file")
+        raise InputError(f"{path}: no problems in the file")
     return out
 
 
 def append_jsonl(path: str, rows) -> None:
-    """Append whole lines and fsync, so a kill never leaves a half-written line behind
-    (each row is written with one write call of its full line)."""
-    if not rows:
-        return
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Append whole lines and fsync, so a kill never leaves a half-written line behind (all
+    rows go in one unbuffered write of their full lines)."""
+    if rows:
+        with open(path, "ab", buffering=0) as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+            os.fsync(f.fileno())
 
 
 def drop_torn_tail(path: str) -> int:
     """Cut a last line that has no newline (a write interrupted by a kill) off a JSONL, so
-    the next append starts a fresh line. Reads only the file's tail. Returns bytes removed."""
-    if not os.path.exists(path):
+    the next append starts a fresh line. Maps the file rather than reading it (rfind scans
+    from the end). Returns the bytes removed."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return 0
-    with open(path, "rb+") as f:
-        end = f.seek(0, os.SEEK_END)
-        if end == 0:
-            return 0
-        f.seek(end - 1)
-        if f.read(1) == b"\n":
-            return 0
-        pos = end
-        while pos > 0:  # find the last newline, 64 KiB at a time from the end
-            step = min(pos, 1 << 16)
-            f.seek(pos - step)
-            i = f.read(step).rfind(b"\n")
-            if i >= 0:
-                pos = pos - step + i + 1
-                break
-            pos -= step
-        f.truncate(pos)
-        f.flush()
-        os.fsync(f.fileno())
-    return end - pos
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        end, keep = len(mm), mm.rfind(b"\n") + 1
+    if keep < end:
+        os.truncate(path, keep)
+    return end - keep
 
 
 def read_jsonl_tolerant(path: str) -> list:
-    """Read a JSONL this project appended to, ignoring a torn last line (a run killed in
-    the middle of a write); any other bad line raises ValueError naming file and line."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if lineno == len(lines) and not line.endswith("\n"):
-                break
-            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-    return rows
+    """The objects of a JSONL this project appended to ([] if there is no such file),
+    ignoring a torn last line (a run killed in the middle of a write); any other bad line
+    raises InputError naming file and line."""
+    return [row for _, row in read_jsonl(path, torn_tail_ok=True)] if os.path.exists(path) else []
 
 
 def trim_jsonl_steps(path: str, last_step: int) -> None:
@@ -1489,25 +1603,19 @@ def trim_jsonl_steps(path: str, last_step: int) -> None:
 
 
 def write_json_atomic(path: str, obj) -> None:
-    """Write JSON (or a str) to path via a temp file in the same folder and a rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_")
+    """Write JSON (or a str) to path via a temp file beside it and a rename; a failure (a
+    full disk, Ctrl-C) keeps the old file and leaves no temp file behind."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the file from the group
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2, ensure_ascii=False))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk or Ctrl-C leaves no temp file behind
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-_UMASK = os.umask(0o022)  # read once at import (setting it back at once); the mode open() would give
-os.umask(_UMASK)
 
 
 def sample_record(problem: dict, sample) -> dict:

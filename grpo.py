@@ -34,7 +34,6 @@ Departures from the paper (which does not describe these details):
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
 """
-import argparse
 import copy
 import hashlib
 import os
@@ -54,54 +53,56 @@ import sft
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient on "
+    p = executor.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient on "
                                 "code-interleaved rollouts (interpreter outputs masked).")
     # model and data
-    p.add_argument("--model", default=executor.DEFAULT_POLICY,
-                   help="policy to start from: HF model dir, .gguf file or packaged model name "
-                   "(default: the packaged Qwen2.5-Coder-0.5B); ignored with --resume")
-    p.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                                  "demo_problems.jsonl"),
-                   help="problems JSONL: id, problem, answer (default: the 16 demo problems in data/)")
+    p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
+                   help="policy to start from: HF model dir, .gguf file or packaged model name; ignored with --resume")
+    p.add_argument("--data", type=executor.input_file,
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
+                   help="problems JSONL: id, problem, answer; a problem whose prompt leaves no room under "
+                   "--max-context is skipped and counted")
     p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
     p.add_argument("--resume", default=None,
                    help="checkpoint dir (out/latest or out/step_N) to continue from: weights, optimizer, "
                    "step counter, data position, RNG; the flags given now (budgets, --steps) apply")
     p.add_argument("--reset-optimizer", action="store_true",
                    help="with --resume: start the optimizer and data order fresh (weights and step kept)")
-    p.add_argument("--drop-solved", default=None,
+    p.add_argument("--drop-solved", type=executor.input_file, default=None,
                    help="pass-rate JSONL of an earlier stage: drop prompts whose latest record is G/G")
     # GRPO
-    p.add_argument("--steps", type=int, default=280, help="last step to run (a global counter that "
+    p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step to run (a global counter that "
                    "--resume continues): stage 1 280, stage 2 400, stage 3 >= 500")
-    p.add_argument("--prompts-per-step", type=int, default=128, help="prompts per step, across all ranks")
-    p.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
-    p.add_argument("--updates-per-step", type=int, default=1,
+    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts per step, across all ranks")
+    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8,
+                   help="G: samples per prompt (>= 2: the advantage is relative to the group)")
+    p.add_argument("--updates-per-step", type=executor.positive_int, default=1,
                    help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
-    p.add_argument("--eps-low", type=float, default=0.20, help="clip: ratio >= 1 - eps_low")
-    p.add_argument("--eps-high", type=float, default=0.28, help="clip: ratio <= 1 + eps_high")
+    p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
+    p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
     p.add_argument("--dynamic-sampling", action="store_true",
                    help="draw more prompts until --prompts-per-step groups have reward variance (DAPO)")
-    p.add_argument("--max-sampling-rounds", type=int, default=4,
+    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4,
                    help="with --dynamic-sampling: rollout rounds per step, at most")
     # rollout
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, also used in the loss")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1.0 = off")
-    p.add_argument("--max-context", type=int, default=16384, help="tokens per sample, prompt + completion")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="model tokens per sample; 0 = only --max-context")
-    p.add_argument("--max-tool-calls", type=int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=int, default=4,
+    p.add_argument("--temperature", type=executor.positive_float, default=1.0,
+                   help="sampling temperature, also used in the loss (> 0: it divides the logits)")
+    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens per sample, prompt + completion")
+    p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = only --max-context")
+    p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
+    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4,
                    help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
-    p.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per code block, wall clock")
-    p.add_argument("--exec-workers", type=int, default=0, help="sandbox processes per rank; 0 = CPUs / local ranks")
+    p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block, wall clock")
+    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes a rank; 0 = CPUs/local ranks")
     p.add_argument("--stateful", action="store_true",
                    help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
     # optimisation
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate, constant")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 = off")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--chunk-size", type=int, default=1024, help="positions per lm_head / log-softmax chunk")
+    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head / log-softmax chunk")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
@@ -109,20 +110,11 @@ def parse_args(argv=None):
     p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
     # run
     p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    p.add_argument("--save-every", type=int, default=1, help="steps between writes of out/latest (a crash "
+    p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps between writes of out/latest (a crash "
                    "loses at most this many steps); 0 = only at the end")
-    p.add_argument("--keep-every", type=int, default=20, help="steps between kept out/step_N copies; 0 = none")
+    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept out/step_N copies; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    args = p.parse_args(argv)
-    if args.group_size < 2:
-        p.error(f"--group-size {args.group_size}: GRPO's advantage is relative to the group, so G >= 2")
-    if not args.temperature > 0:
-        p.error(f"--temperature {args.temperature}: must be > 0 (the loss divides the logits by it)")
-    if not 0 < args.top_p <= 1:
-        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.drop_solved and not os.path.isfile(args.drop_solved):
-        p.error(f"--drop-solved {args.drop_solved}: no such file")
-    return args
+    return p.parse_args(argv)
 
 
 @dataclass
@@ -528,7 +520,7 @@ def solved_ids(path: str) -> set:
     latest = {}
     for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
         if not {"id", "n", "correct"} <= set(r):
-            raise ValueError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
+            raise executor.InputError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 
@@ -588,25 +580,35 @@ def main(argv=None, reward_fn=None):
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     # derived sizes
-    assert args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} % {world} ranks != 0"
+    if args.prompts_per_step % world:
+        raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
     sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} per step over {world} ranks; "
                f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
                ("on-policy: ratio exactly 1, clip fractions 0" if args.updates_per_step == 1 else
                 "clipping active after the first update"))
-    if rank == 0:
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
 
-    # 1) data
+    # 1) data, read before anything is written (bad input changes no file)
     problems = executor.read_problems(args.data)
     if args.drop_solved:
         solved = solved_ids(args.drop_solved)
         sft.print0(f"--drop-solved: dropping {sum(p['id'] in solved for p in problems)} of {len(problems)} "
                    f"prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
-    stream = PromptStream(problems, args.seed, rank, world)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
+    # prompts are measured before any forward: one with no room for a token under --max-context
+    # is skipped and counted, never prefilled (every rank filters the same list)
+    n0 = len(problems)
+    problems = [p for p in problems if len(executor.build_prompt_ids(tokenizer, p["problem"])) < args.max_context]
+    if not problems:
+        raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
+    if len(problems) < n0:
+        sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
+    stream = PromptStream(problems, args.seed, rank, world)
     roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
@@ -665,4 +667,4 @@ def main(argv=None, reward_fn=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(executor.cli(main, interrupted=lambda: sft.interrupted_note(parse_args().out)))

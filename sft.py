@@ -26,8 +26,8 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import argparse
 import contextlib
+import glob
 import json
 import math
 import os
@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import executor
-from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT
+from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
+                      nonneg_float, nonneg_int, positive_float, positive_int)
 
 # -----------------------------------------------------------------------------
 # Distributed setup
@@ -344,39 +345,40 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
     return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
-def load_sft_data(path: str, tokenizer, max_len: int):
-    """Read trajectory JSONL and build examples. Returns (examples, n_dropped): examples
-    longer than `max_len` tokens are dropped and counted, never truncated (tests/faults.md F5).
-    Raises ValueError naming file:line for a bad row."""
+def read_trajectories(path: str):
+    """Yield the rows of a trajectory JSONL as (where, problem, completion, outputs or
+    None), checked without a tokenizer. Raises InputError naming file:line for a bad row."""
+    for n, row in executor.read_jsonl(path):
+        where = f"{path}:{n}"
+        problem = row.get("problem", row.get("question"))
+        if problem is None or row.get("completion") is None:
+            raise executor.InputError(f"{where}: needs 'problem' and 'completion'")
+        for key, value in (("problem", problem), ("completion", row["completion"])):
+            if not isinstance(value, str):
+                raise executor.InputError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+        blocks = row.get("blocks")
+        if blocks is not None and not (isinstance(blocks, list) and all(
+                isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
+            raise executor.InputError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
+        yield where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None
+
+
+def load_sft_data(data, tokenizer, max_len: int):
+    """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows).
+    Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
+    counted, never truncated. Raises InputError naming file:line for a bad row."""
     stops = executor.stop_token_ids(tokenizer)
     eot = end_of_turn_id(tokenizer, stops)
     examples, dropped = [], 0
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            problem = row.get("problem", row.get("question"))
-            for key, value in (("problem", problem), ("completion", row.get("completion"))):
-                if not isinstance(value, str):
-                    got = "nothing" if value is None else type(value).__name__
-                    raise ValueError(f"{where}: field '{key}' must be a string, got {got}")
-            blocks = row.get("blocks")
-            if blocks is not None and not (isinstance(blocks, list) and all(
-                    isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
-                raise ValueError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
-            outputs = [b["output"] for b in blocks] if blocks else None
-            ex = build_example(tokenizer, problem, row["completion"], outputs, stops, where, eot)
-            if len(ex["ids"]) > max_len:
-                dropped += 1
-                continue
-            examples.append(ex)
+    for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
+        try:
+            ex = build_example(tokenizer, problem, completion, outputs, stops, where, eot)
+        except ValueError as e:
+            raise executor.InputError(e if str(e).startswith(where) else f"{where}: {e}") from e
+        if len(ex["ids"]) > max_len:
+            dropped += 1
+            continue
+        examples.append(ex)
     return examples, dropped
 
 
@@ -519,6 +521,22 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
+    try:
+        _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer)
+    except BaseException:  # a full disk or Ctrl-C leaves no partial <dir>.tmp behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier()  # every rank's trainer state is written before the directory is published
+    if rank == 0:
+        if os.path.exists(out_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
     sd = full_state_dict(model)
     if trainer_state is not None:
         if optimizer is not None:
@@ -542,14 +560,13 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(args, f, indent=2, default=str)
-    _barrier()  # every rank's trainer state is written before the directory is published
-    if rank == 0:
-        if os.path.exists(out_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+
+
+def newest_checkpoint(out: str) -> str | None:
+    """The checkpoint folder in `out` written last (step_N, latest, final, or the `<dir>.old`
+    a crash during a save leaves), or None; never a half-written `<dir>.tmp`."""
+    found = [d for d in glob.glob(os.path.join(glob.escape(out), "*", "config.json")) if ".tmp" not in d]
+    return os.path.dirname(max(found, key=os.path.getmtime)) if found else None
 
 
 def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) -> str | None:
@@ -558,21 +575,25 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
     checkpoint as `<dir>.old`: that one is used then.
 
     Raises:
-        SystemExit (one line naming the path): --resume is not a checkpoint directory, or
-            --out already holds a run (one of `run_files`) and no --resume was given; a
-            fresh run there would overwrite its checkpoint and repeat its steps in the logs.
+        InputError (one line naming the path): --out is a file or holds another stage's run,
+            --resume is not a checkpoint directory, or --out already holds a run (one of
+            `run_files`) and no --resume was given: a fresh run there would overwrite its
+            checkpoints and repeat its steps in the logs (the message names the newest
+            checkpoint to resume from).
     """
+    executor.check_out(out, prog.removesuffix(".py"))
     if resume:
         if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
             print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
             resume = resume.rstrip("/") + ".old"
         if not os.path.isfile(os.path.join(resume, "config.json")):
-            raise SystemExit(f"{prog}: error: --resume {resume}: not a checkpoint directory (no config.json)")
+            raise executor.InputError(f"--resume {resume}: not a checkpoint directory (no config.json)")
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
-        raise SystemExit(f"{prog}: error: --out {out} already holds a run ({found[0]}); continue it with "
-                         f"--resume {os.path.join(out, run_files[-1])}, or give a new --out")
+        ckpt = newest_checkpoint(out)
+        advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
+        raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
     return None
 
 
@@ -584,6 +605,13 @@ def _optimizer_and_rng_state(optimizer) -> dict:
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {**optimizer_state(optimizer), "rng": rng, "world_size": world}
+
+
+def interrupted_note(out: str) -> str:
+    """The line a Ctrl-C prints for a training run: the newest checkpoint and the command
+    that continues from it."""
+    ckpt = newest_checkpoint(out)
+    return f"kept {ckpt}; resume: {executor.command_line('--resume', ckpt)}" if ckpt else "no checkpoint was saved"
 
 
 def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -> dict:
@@ -689,27 +717,26 @@ def load_optimizer_state(opt, state: dict, where: str):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="THINC SFT: masked full-token SFT on trajectories.")
+    p = executor.ArgumentParser(description="THINC SFT: masked full-token SFT on trajectories.")
     # model and data
-    p.add_argument("--model", default=executor.DEFAULT_POLICY,
-                   help="model directory, .gguf file or packaged model name (default: the packaged "
-                   "Qwen2.5-Coder-0.5B)")
-    p.add_argument("--data", required=True, help="trajectory JSONL (problem, completion[, blocks])")
+    p.add_argument("--model", type=model_path, default=executor.DEFAULT_POLICY,
+                   help="model directory, .gguf file or packaged model name")
+    p.add_argument("--data", type=input_file, required=True, help="trajectory JSONL (problem, completion[, blocks])")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from exactly "
                    "(its weights replace --model)")
-    p.add_argument("--max-len", type=int, default=32768, help="tokens per trajectory; longer ones are dropped")
+    p.add_argument("--max-len", type=positive_int, default=32768, help="tokens per trajectory; longer ones are dropped")
     p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
     # optimisation
-    p.add_argument("--lr", type=float, default=7e-6, help="peak learning rate")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor, fraction of --lr")
-    p.add_argument("--warmup", type=float, default=0.03, help="warmup share of all steps (0 = none)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the data")
-    p.add_argument("--max-steps", type=int, default=0, help="optimizer steps; 0 = epochs decide")
-    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--lr", type=positive_float, default=7e-6, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=fraction, default=0.0, help="cosine floor, fraction of --lr")
+    p.add_argument("--warmup", type=fraction, default=0.03, help="warmup share of all steps (0 = none)")
+    p.add_argument("--epochs", type=positive_int, default=3, help="passes over the data")
+    p.add_argument("--max-steps", type=nonneg_int, default=0, help="optimizer steps; 0 = epochs decide")
+    p.add_argument("--global-batch", type=positive_int, default=16, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
     # system
     p.add_argument("--seed", type=int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
@@ -717,8 +744,9 @@ def parse_args(argv=None):
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA (CPU is always fp32)")
-    p.add_argument("--chunk-size", type=int, default=1024, help="positions per lm_head/log-softmax chunk")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0 = only at the end")
+    p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
+    p.add_argument("--save-every", type=nonneg_int, default=0,
+                   help="checkpoint every N steps; 0 = only at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
@@ -732,23 +760,28 @@ def main(argv=None):
     rank, local_rank, world, device = setup_distributed(args.seed)
     args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
-    assert args.global_batch % (args.micro_batch * world) == 0, \
-        f"--global-batch {args.global_batch} is not a multiple of micro-batch {args.micro_batch} x {world} ranks"
+    if args.global_batch % (args.micro_batch * world):
+        raise executor.InputError(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
+                                  f"{args.micro_batch} x {world} ranks")
+    rows = list(read_trajectories(args.data))  # bad rows end the run before the model loads
     accum = args.global_batch // (args.micro_batch * world)
     print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
     if rank == 0:
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), vars(args))
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
 
     # 1) model (fp32 master weights) and data
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
-    examples, dropped = load_sft_data(args.data, tokenizer, args.max_len)
+    examples, dropped = load_sft_data(rows, tokenizer, args.max_len)
     lengths = [len(e["ids"]) for e in examples]
     n_sup = sum(sum(r in (ROLE_MODEL, ROLE_OUTPUT) for r in e["roles"]) for e in examples)
     print0(f"{len(examples)} trajectories, {sum(lengths)} tokens ({n_sup} supervised); "
            f"{dropped} dropped as longer than --max-len {args.max_len}")
     steps_per_epoch = len(examples) // args.global_batch
-    assert steps_per_epoch > 0, f"{len(examples)} trajectories: fewer than one global batch ({args.global_batch})"
+    if steps_per_epoch == 0:
+        raise executor.InputError(f"{len(examples)} trajectories within --max-len {args.max_len}: fewer than one "
+                                  f"global batch ({args.global_batch})")
     total = args.max_steps or args.epochs * steps_per_epoch
     warmup = int(args.warmup * total)
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
@@ -805,4 +838,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(executor.cli(main, interrupted=lambda: interrupted_note(parse_args().out)))

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import evaluate as ev
+import executor as ex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "evaluate.py")
@@ -72,7 +73,7 @@ def test_end_to_end_then_from_samples_gives_identical_metrics(single, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     (copy / "metrics.json").unlink()
-    assert ev.main(["--from-samples", str(copy)]) == 0
+    assert ex.cli(ev.main, ["--from-samples", str(copy)]) == 0
     assert _benchmarks(copy) == metrics["benchmarks"]
     assert (copy / "metrics.md").read_text() == (out / "metrics.md").read_text()
 
@@ -129,7 +130,7 @@ def test_waves_do_not_depend_on_ranks():
 def test_bad_data_line_is_a_clean_one_line_error(tmp_path):
     bad = tmp_path / "bench.jsonl"
     bad.write_text(json.dumps(B1[0]) + "\n{not json\n")
-    r = subprocess.run([sys.executable, SCRIPT, "--model", "unused", "--data", str(bad),
+    r = subprocess.run([sys.executable, SCRIPT, "--model", str(tmp_path), "--data", str(bad),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=25,
                        env=ENV, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -142,24 +143,24 @@ def test_input_and_resume_errors_exit_2_before_any_model(single, tmp_path, capsy
     data, out, _, _ = single
 
     def error(*argv):
-        assert ev.main(list(argv)) == 2
+        assert ex.cli(ev.main, list(argv)) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("evaluate.py: error: ")
         return err[0]
 
-    base = ["--model", "no/such/model", "--out", str(tmp_path / "o")]
+    base = ["--model", str(tmp_path), "--out", str(tmp_path / "o")]   # any existing path: never loaded
     assert f"{tmp_path / 'missing.jsonl'}: no such file" in error(*base, "--data", str(tmp_path / "missing.jsonl"))
     no_answer = _write_jsonl(tmp_path / "x.jsonl", [{"id": "1", "problem": "?"}])
     assert f"{no_answer}:1: missing field 'answer'" in error(*base, "--data", no_answer)
     dup = _write_jsonl(tmp_path / "d.jsonl", [B1[0], B1[0]])
     assert f"{dup}:2: field 'id': 'p1' already on line 1" in error(*base, "--data", dup)
-    assert "no/such/model: no such model" in error(*base, "--data", data[0])
+    assert "no/such/model: no such model" in error("--model", "no/such/model", "--data", data[0])
     # a run folder is resumed only by a compatible command
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     run = ["--model", single[2], "--data", *data, *SAMPLING, "--out", str(copy)]
     assert "--temperature 1.0, this run has 0.5" in error(*run, "--temperature", "0.5")
-    assert "2 samples outside this run's problems" in error(*run, "--limit", "1")
+    assert "--limit 0, this run has 1" in error(*run, "--limit", "1")
     with open(copy / "samples.jsonl", "a") as f:
         f.write("{bad\n")
     assert f"{copy / 'samples.jsonl'}:7: not valid JSON" in error(*run)

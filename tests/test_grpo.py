@@ -38,7 +38,7 @@ def make_args(*extra, **kw):
     base = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "micro_batch": 4,
             "rollout_prompts": 0, "lr": 1e-2, "save_every": 0, "keep_every": 0}
     base.update(kw)
-    argv = ["--data", "unused.jsonl", "--out", "unused"] + list(extra)
+    argv = ["--out", "unused"] + list(extra)  # the default --data (a parse checks that it exists)
     args = grpo.parse_args(argv)
     for k, v in base.items():
         setattr(args, k, v)
@@ -192,7 +192,7 @@ def test_gradient_independent_of_micro_batching_L2(tokenizer):
 
 @pytest.mark.timeout(10)
 def test_defaults_have_no_hidden_terms_L8():
-    args = grpo.parse_args(["--data", "x", "--out", "y"])
+    args = grpo.parse_args(["--out", "y"])
     assert (args.group_size, args.prompts_per_step, args.eps_low, args.eps_high) == (8, 128, 0.20, 0.28)
     assert (args.temperature, args.lr, args.updates_per_step, args.dynamic_sampling) == (1.0, 1e-6, 1, False)
     assert (args.max_context, args.max_tool_calls, args.steps) == (16384, 20, 280)
@@ -478,7 +478,7 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     grpo.main(_cli(tiny_dir, data, a, "--steps", "4"), reward_fn=first_token_reward)
     grpo.main(_cli(tiny_dir, data, b, "--steps", "2"), reward_fn=first_token_reward)
-    with pytest.raises(SystemExit, match=r"already holds a run \(metrics.jsonl\); continue it with --resume"):
+    with pytest.raises(ex.InputError, match=r"already holds a run \(metrics.jsonl\); continue it with --resume"):
         grpo.main(_cli(tiny_dir, data, b, "--steps", "4"))  # a fresh run would overwrite b's
     with open(os.path.join(b, "metrics.jsonl"), "a") as f:  # a crash after logging step 3,
         f.write(json.dumps({"step": 3, "reward_mean": -1}) + "\n")
@@ -506,12 +506,13 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     assert len(later) == 4 and not {r["id"] for r in later} & {"p0", "p1"}
 
 
-@pytest.mark.parametrize("flags, msg", [(("--group-size", "1"), "G >= 2"), (("--temperature", "0"), "must be > 0"),
-                                        (("--drop-solved", "no/such.jsonl"), "no/such.jsonl: no such file")])
+@pytest.mark.parametrize("flags, msg", [
+    (("--group-size", "1"), "argument --group-size: expected an integer in [2, inf), got '1'"),
+    (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
+    (("--drop-solved", "no/such.jsonl"), "argument --drop-solved: no/such.jsonl: no such file")])
 def test_bad_arguments_are_refused_before_loading(flags, msg, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        grpo.main(["--model", "no/such/model", "--out", str(tmp_path / "o"), *flags])
-    assert msg in capsys.readouterr().err
+    assert ex.cli(grpo.main, ["--model", str(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2
+    assert capsys.readouterr().err == f"grpo.py: error: {msg}\n"
     assert not os.path.exists(tmp_path / "o")
 
 

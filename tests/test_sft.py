@@ -394,9 +394,9 @@ def test_resume_is_exact(tmp_path, tiny_dir):
               "--max-steps", "4", "--warmup", "0.25", "--lr", "1e-3", "--no-progress"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sft.main(common + ["--out", a, "--save-every", "2"])  # 4 steps straight, a checkpoint at 2
-    with pytest.raises(SystemExit, match=r"already holds a run \(log.jsonl\)"):
+    with pytest.raises(executor.InputError, match=r"already holds a run \(log.jsonl\)"):
         sft.main(common + ["--out", a])  # a fresh run there would log steps 1-4 twice
-    with pytest.raises(SystemExit, match=r"--resume .*nope: not a checkpoint directory"):
+    with pytest.raises(executor.InputError, match=r"--resume .*nope: not a checkpoint directory"):
         sft.main(common + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "nope")])
     sft.main(common + ["--out", b, "--resume", os.path.join(a, "step_000002")])  # 2 more from it
     wa, wb = load_file(f"{a}/final/model.safetensors"), load_file(f"{b}/final/model.safetensors")

@@ -33,7 +33,7 @@ def reward(sample, problem):
 
 
 def bench_ours(lm, tok, problems, a, device):
-    args = grpo.parse_args(["--data", "-", "--out", "-"])
+    args = grpo.parse_args(["--out", "-"])
     args.prompts_per_step, args.group_size, args.max_new_tokens = a.prompts, a.group, a.new_tokens
     args.micro_batch, args.rollout_prompts, args.lr, args.max_tool_calls = a.micro_batch, 0, 1e-6, 0
     d = grpo.Dist(device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)

@@ -1,0 +1,366 @@
+"""Bad input in every stage (issue 22): one line `stage.py: error: ...`, exit 2, before any
+model loads, and no file outside a new --out created or changed. One table per stage,
+then the faults that used to give a silent wrong result: numbers in problem files, a
+stage writing over another stage's run, resume mixing settings, prompts longer than the
+context budget, Ctrl-C and a full disk."""
+import errno
+import json
+import os
+import sys
+
+import pytest
+
+import distill
+import evaluate as ev
+import executor as ex
+import grpo
+import sft
+
+pytestmark = pytest.mark.timeout(120)
+
+PROBLEMS = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
+TRAJ = [{"problem": f"Compute {i} + {i}.",
+         "completion": f"Add.\n```python\nprint({i} + {i})\n```\n```output\n{2 * i}\n```\n\\boxed{{{2 * i}}}"}
+        for i in range(4)]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _tree(root):
+    """{path: (size, mtime)} of every file and folder under root."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            st = os.stat(os.path.join(d, n))
+            out[os.path.join(d, n)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Good and bad inputs in tmp_path/in, a folder of another stage's run, and a plain file."""
+    d = tmp_path / "in"
+    d.mkdir()
+    good = [json.dumps(r) + "\n" for r in PROBLEMS[:1]]
+    f = {"problems": _jsonl(d / "p.jsonl", PROBLEMS), "traj": _jsonl(d / "t.jsonl", TRAJ), "dir": str(d)}
+    for name, line in {"notjson": "{oops\n", "noanswer": '{"id": "x", "problem": "?"}\n',
+                       "nan": '{"problem": "?", "answer": NaN}\n', "inf": '{"problem": "?", "answer": 1e400}\n',
+                       "hugeint": '{"problem": "?", "answer": %s}\n' % ("7" * 5000)}.items():
+        (d / f"{name}.jsonl").write_text(good[0] + line)
+        f[name] = str(d / f"{name}.jsonl")
+    (d / "latin1.jsonl").write_bytes(good[0].encode() + b'{"problem": "caf\xe9", "answer": "1"}\n')
+    f["latin1"] = str(d / "latin1.jsonl")
+    good = json.dumps(TRAJ[0]) + "\n"
+    for name, line in {"t_notjson": b"{oops\n", "t_latin1": b'{"problem": "caf\xe9", "completion": "1"}\n',
+                       "t_nocomp": b'{"problem": "x"}\n', "t_type": b'{"problem": "x", "completion": 5}\n'}.items():
+        (d / f"{name}.jsonl").write_bytes(good.encode() + line)
+        f[name] = str(d / f"{name}.jsonl")
+    for stage in ("sft", "evaluate"):  # folders holding another stage's run
+        (d / f"{stage}_run").mkdir()
+        (d / f"{stage}_run" / "args.json").write_text(json.dumps({"stage": stage, "seed": 0}))
+        f[f"{stage}_run"] = str(d / f"{stage}_run")
+    (d / "plain.txt").write_text("not a folder\n")
+    f["plain"] = str(d / "plain.txt")
+    return f
+
+
+def _refused(module, argv, root, capsys, out):
+    """Run the stage's command line in-process; return its one error line."""
+    before = _tree(root)
+    assert ex.cli(module.main, argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{module.__name__}.py: error: "), err
+    assert _tree(root) == before  # nothing created or changed, --out included
+    assert out is None or os.path.exists(out) == (out in before)
+    return err[0]
+
+
+# (flags that replace the good ones, text the one line must hold); `{name}` is a path from `files`
+PROBLEM_CASES = [
+    (["--data", "{dir}/missing.jsonl"], "argument --data: {dir}/missing.jsonl: no such file"),
+    (["--data", "{dir}"], "argument --data: {dir}: a folder, not a file"),
+    (["--data", "{notjson}"], "{notjson}:2: not valid JSON (Expecting property name"),
+    (["--data", "{noanswer}"], "{noanswer}:2: missing field 'answer'"),
+    (["--data", "{nan}"], "{nan}:2: field 'answer': NaN is not a finite number"),
+    (["--data", "{inf}"], "{inf}:2: field 'answer': 1e400 is not a finite number"),
+    (["--data", "{hugeint}"], "{hugeint}:2: not valid JSON (Exceeds the limit (4300 digits)"),
+    (["--data", "{latin1}"], "{latin1}:2: not UTF-8 text"),
+    (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
+    (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got '1.5'"),
+    (["--max-context", "0"], "argument --max-context: expected an integer in [1, inf), got '0'"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer in [0, inf), got '-1'"),
+    (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, inf), got '-2'"),
+    (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
+    (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
+]
+SAMPLER_CASES = [  # distill and evaluate
+    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
+    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, inf), got '-2'"),
+    (["--limit", "-1"], "argument --limit: expected an integer in [0, inf), got '-1'"),
+    (["--temperature", "-1"], "argument --temperature: expected a number in [0, inf), got '-1'"),
+]
+
+
+def _argv(base, case, files):
+    flags, msg = case
+    flags = [x.format(**files) for x in flags]
+    argv = list(base)
+    for i in range(0, len(flags), 2):  # a flag given in the case replaces the base's value
+        if flags[i] in argv:
+            j = argv.index(flags[i])
+            del argv[j:j + 2]
+        argv += flags[i:i + 2]
+    return argv, msg.format(**files)
+
+
+@pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
+    (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, inf), got '0'"),
+    (["--max-plan-share", "0"], "argument --max-plan-share: expected a number in (0, 1], got '0'"),
+    (["--teacher", "no/such/model"], "argument --teacher: no/such/model: no such model folder or file"),
+    (["--exemplars", "{dir}/none.jsonl"], "argument --exemplars: {dir}/none.jsonl: no such file"),
+    (["--out", "{sft_run}/traj.jsonl"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
+    (["--out", "{dir}"], "--out {dir}: a folder, not a .jsonl file"),
+    (["--out", "{plain}/traj.jsonl"], "--out {plain}: a file, not a folder"),
+], ids=lambda c: " ".join(c[0]))
+def test_distill_bad_input(case, files, tmp_path, capsys):
+    out = str(tmp_path / "new" / "traj.jsonl")
+    argv, msg = _argv(["--teacher", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    assert msg in _refused(distill, argv, tmp_path, capsys, out)
+
+
+@pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
+    (["--k", "0"], "argument --k: expected an integer in [1, inf), got '0'"),
+    (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
+    (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
+    (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
+], ids=lambda c: " ".join(c[0]))
+def test_evaluate_bad_input(case, files, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    argv, msg = _argv(["--model", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    assert msg in _refused(ev, argv, tmp_path, capsys, out)
+
+
+@pytest.mark.parametrize("case", PROBLEM_CASES + [
+    (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, inf), got '0'"),
+    (["--rollout-prompts", "-1"], "argument --rollout-prompts: expected an integer in [0, inf), got '-1'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
+    (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, inf), got '0'"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
+    (["--group-size", "1"], "argument --group-size: expected an integer in [2, inf), got '1'"),
+    (["--temperature", "0"], "argument --temperature: expected a number in (0, inf), got '0'"),
+    (["--lr", "inf"], "argument --lr: expected a number in (0, inf), got 'inf'"),
+    (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
+    (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
+    (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
+], ids=lambda c: " ".join(c[0]))
+def test_grpo_bad_input(case, files, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    argv, msg = _argv(["--model", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    assert msg in _refused(grpo, argv, tmp_path, capsys, out)
+
+
+@pytest.mark.parametrize("case", [
+    (["--data", "{dir}/missing.jsonl"], "argument --data: {dir}/missing.jsonl: no such file"),
+    (["--data", "{dir}"], "argument --data: {dir}: a folder, not a file"),
+    (["--data", "{t_notjson}"], "{t_notjson}:2: not valid JSON (Expecting property name"),
+    (["--data", "{t_latin1}"], "{t_latin1}:2: not UTF-8 text"),
+    (["--data", "{t_nocomp}"], "{t_nocomp}:2: needs 'problem' and 'completion'"),
+    (["--data", "{t_type}"], "{t_type}:2: field 'completion' must be a string, got int"),
+    (["--epochs", "0"], "argument --epochs: expected an integer in [1, inf), got '0'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
+    (["--global-batch", "0"], "argument --global-batch: expected an integer in [1, inf), got '0'"),
+    (["--global-batch", "3", "--micro-batch", "2"], "--global-batch 3 is not a multiple of --micro-batch 2 x 1 ranks"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
+    (["--warmup", "1.5"], "argument --warmup: expected a number in [0, 1], got '1.5'"),
+    (["--max-len", "0"], "argument --max-len: expected an integer in [1, inf), got '0'"),
+    (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
+    (["--resume", "{dir}"], "--resume {dir}: not a checkpoint directory (no config.json)"),
+    (["--out", "{evaluate_run}"], "--out {evaluate_run} holds a run of evaluate.py ({evaluate_run}/args.json)"),
+    (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
+], ids=lambda c: " ".join(c[0]))
+def test_sft_bad_input(case, files, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    argv, msg = _argv(["--model", files["dir"], "--data", files["traj"], "--out", out], case, files)
+    assert msg in _refused(sft, argv, tmp_path, capsys, out)
+
+
+def test_cli_names_a_path_it_cannot_write_and_a_full_disk(tmp_path, capsys):
+    def read_only(argv):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ro" / "args.json"))
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert ex.cli(read_only) == 2 and capsys.readouterr().err == \
+        f"{os.path.basename(__file__)}: error: {tmp_path}/ro/args.json: permission denied\n"
+    assert ex.cli(full) == 1 and capsys.readouterr().err == \
+        f"{os.path.basename(__file__)}: error: no space left on device\n"
+
+
+# -----------------------------------------------------------------------------
+# 1) numbers in problem files: read from their JSON text
+
+
+def test_problem_numbers_keep_their_exact_value(tmp_path):
+    p = tmp_path / "n.jsonl"
+    p.write_text('{"problem": "a", "answer": 1e23}\n{"problem": "b", "answer": 12345678901234567891}\n'
+                 '{"problem": "c", "answer": 0.1}\n{"problem": "d", "answer": 1.5e-3}\n'
+                 '{"problem": "e", "answer": 2.50E2, "weight": 0.5, "level": 3}\n')
+    rows = ex.read_problems(str(p))
+    assert [r["answer"] for r in rows] == ["100000000000000000000000", "12345678901234567891", "0.1", "1.5e-3", "250"]
+    assert rows[4]["weight"] == 0.5 and rows[4]["level"] == 3 and json.dumps(rows[4]["weight"]) == "0.5"
+    assert ex.grade("10^{23}", rows[0]["answer"])  # was graded wrong against "99999999999999991611392"
+    for text, msg in (("NaN", "NaN is not a finite number"), ("-Infinity", "-Infinity is not a finite number"),
+                      ("1e400", "1e400 is not a finite number")):
+        p.write_text('{"problem": "a", "answer": 1}\n{"problem": "b", "answer": %s}\n' % text)
+        with pytest.raises(ex.InputError, match=rf"n.jsonl:2: field 'answer': {msg}"):
+            ex.read_problems(str(p))
+    p.write_text('{"problem": "a", "answer": %s}\n' % ("9" * 4301))
+    with pytest.raises(ex.InputError, match=r"n.jsonl:1: not valid JSON \(Exceeds the limit"):
+        ex.read_problems(str(p))
+
+
+# -----------------------------------------------------------------------------
+# 2) a stage refuses a run folder of another stage
+
+
+def _sft_run(tiny_dir, data, out, steps):
+    return ["--model", tiny_dir, "--data", data, "--out", out, "--global-batch", "2", "--max-steps", str(steps),
+            "--save-every", "1", "--no-progress"]
+
+
+def test_stages_refuse_each_others_run_folders(tiny_dir, files, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], run, 1)) == 0
+    assert json.load(open(os.path.join(run, "args.json")))["stage"] == "sft"
+    capsys.readouterr()
+    before = open(os.path.join(run, "args.json")).read()
+    for module, argv in ((grpo, ["--model", tiny_dir, "--data", files["problems"], "--out", run]),
+                         (ev, ["--model", tiny_dir, "--data", files["problems"], "--out", run]),
+                         (distill, ["--teacher", tiny_dir, "--data", files["problems"], "--out", run + "/t.jsonl"])):
+        assert ex.cli(module.main, argv) == 2
+        assert capsys.readouterr().err == (f"{module.__name__}.py: error: --out {run} holds a run of sft.py "
+                                           f"({run}/args.json): give another --out\n")
+    assert open(os.path.join(run, "args.json")).read() == before
+
+
+# -----------------------------------------------------------------------------
+# 3) resume never mixes settings
+
+
+def test_evaluate_resume_refuses_another_k_or_batch_size(tmp_path):
+    data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
+    args = ev.parse_args(["--model", str(tmp_path), "--data", data, "--out", str(tmp_path), "--k", "2",
+                          "--batch-size", "2"])
+    benches = ev.read_benchmarks(args.data, args.limit)
+    done = {("b", "q0", 0): {**PROBLEMS[0], "benchmark": "b", "sample_idx": 0}}
+    (tmp_path / "args.json").write_text(json.dumps({"stage": "evaluate", **vars(args)}))
+    ev.check_resume(args, str(tmp_path), done, benches)  # the same command resumes
+    for flag, value, saved in (("k", 3, 2), ("batch_size", 1, 2), ("limit", 1, 0)):
+        other = ev.parse_args(["--model", str(tmp_path), "--data", data, "--out", str(tmp_path), "--k", "2",
+                               "--batch-size", "2", f"--{flag.replace('_', '-')}", str(value)])
+        with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
+            ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
+
+
+DISTILL_FLAGS = ["--samples-per-problem", "1", "--max-new-tokens", "4", "--max-context", "8000",
+                 "--max-tool-calls", "1", "--exec-workers", "1", "--batch-size", "2"]
+
+
+def test_distill_resume_keys_on_the_problem_not_the_id(tiny_dir, tmp_path, capsys):
+    out = str(tmp_path / "d" / "traj.jsonl")
+    first = _jsonl(tmp_path / "a.jsonl", PROBLEMS[:2])
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", first, "--out", out, *DISTILL_FLAGS]) == 0
+    assert "0 done before, 2 to sample" in capsys.readouterr().out
+    # the same ids for other problems: new work, not "2 done before, 0 to sample"
+    reused = _jsonl(tmp_path / "b.jsonl", [dict(p, problem=p["problem"] + " Twice.") for p in PROBLEMS[:2]])
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", reused, "--out", out, *DISTILL_FLAGS]) == 0
+    assert "0 done before, 2 to sample" in capsys.readouterr().out
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", reused, "--out", out, *DISTILL_FLAGS]) == 0
+    assert "2 done before, 0 to sample" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# 4) prompts longer than the context budget: never prefilled
+
+
+def test_too_long_prompts_are_skipped_or_refused_before_any_forward(tiny_dir, tmp_path, capsys, monkeypatch):
+    long = {"id": "long", "problem": "seven " * 3000, "answer": "7"}
+    data = _jsonl(tmp_path / "p.jsonl", PROBLEMS[:2] + [long])
+    fed = []
+    forward = ex._forward_chunk
+
+    def spy(model, cache, past_mask, feeds, *a):
+        fed.append(max(len(f) for f in feeds))
+        return forward(model, cache, past_mask, feeds, *a)
+
+    monkeypatch.setattr(ex, "_forward_chunk", spy)
+    argv = ["--model", tiny_dir, "--data", data, "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "2", "--max-context", "1000", "--steps", "1", "--exec-workers", "1", "--no-progress"]
+    assert ex.cli(grpo.main, argv + ["--out", str(tmp_path / "g")]) == 0
+    assert "skipped 1 of 3 problems whose prompt leaves no room under --max-context" in capsys.readouterr().out
+    assert fed and max(fed) < 1000  # the 12K-token prompt was never prefilled
+    assert ex.cli(grpo.main, argv + ["--out", str(tmp_path / "g2"), "--max-context", "5"]) == 2
+    assert "--max-context 5: no prompt of" in capsys.readouterr().err
+    # evaluate refuses instead (a benchmark is not cut silently), before any forward
+    fed.clear()
+    assert ex.cli(ev.main, ["--model", tiny_dir, "--data", data, "--out", str(tmp_path / "e"), "--k", "1",
+                            "--max-context", "1000", "--exec-workers", "1"]) == 2
+    assert "1 of 3 prompts leave no room under --max-context 1000 (e.g. ('p', 'long')" in capsys.readouterr().err
+    assert fed == []
+
+
+# -----------------------------------------------------------------------------
+# 7) Ctrl-C and a full disk
+
+
+def test_ctrl_c_prints_what_was_kept_and_the_resume_command(tiny_dir, files, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    argv = _sft_run(tiny_dir, files["traj"], out, 4)
+    steps = []
+    backward = sft.backward_step
+
+    def interrupt_third(*a, **kw):  # Ctrl-C during step 3, after step_000002 was saved
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return backward(*a, **kw)
+
+    monkeypatch.setattr(sft, "backward_step", interrupt_third)
+    monkeypatch.setattr(sys, "argv", ["sft.py", *argv])
+    assert ex.cli(sft.main, argv, interrupted=lambda: sft.interrupted_note(out)) == 130
+    ckpt = os.path.join(out, "step_000002")
+    err = capsys.readouterr().err  # (other libraries' progress bars aside) one line, no traceback
+    assert "Traceback" not in err and err.endswith("\n") and err.splitlines()[-1] == \
+        f"sft.py: interrupted; kept {ckpt}; resume: python sft.py {' '.join(argv)} --resume {ckpt}"
+    # the same command again is refused with the checkpoint that exists (not final/)
+    with pytest.raises(ex.InputError, match=rf"already holds a run \(log.jsonl\); continue it with --resume {ckpt},"):
+        sft.main(argv)
+
+
+def test_full_disk_says_so_and_leaves_no_partial_checkpoint(tiny_dir, files, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+
+    def no_space(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sft.torch, "save", no_space)  # the trainer state of the first checkpoint
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], out, 2)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == "sft.py: error: no space left on device"
+    assert sorted(os.listdir(out)) == ["args.json", "log.jsonl"]  # no step_000001.tmp/
+
+
+@pytest.mark.parametrize("module, default", [(distill, "rule (iv): plan tokens / completion tokens must be below this "
+                                              "(default: 0.5)"),
+                                             (ev, "samples per problem (avg@k, pass@k, maj@k) (default: 16)"),
+                                             (grpo, "clip: ratio <= 1 + eps_high (default: 0.28)"),
+                                             (sft, "peak learning rate (default: 7e-06)")])
+def test_help_shows_every_default(module, default, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(["--help"])
+    assert e.value.code == 0
+    assert default in " ".join(capsys.readouterr().out.split())
