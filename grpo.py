@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import executor
-from executor import ROLE_MODEL, ROLE_PROMPT, Sandbox, build_prompt_ids, load_model, rollout
+from executor import ROLE_MODEL, ROLE_PROMPT, RolloutProgress, Sandbox, build_prompt_ids, load_model, rollout
 from sft import (check_run_dirs, cleanup_distributed, collate, first_loss_column, grad_sync, load_optimizer_state,
                  load_trainer_state, make_optimizer, optimizer_state, print0, save_checkpoint, setup_distributed,
                  token_logprobs, unwrap_model, wrap_model, zero_grad)
@@ -106,6 +107,9 @@ def parse_args(argv=None):
                    "loses at most this many steps); 0 = only at the end")
     p.add_argument("--keep-every", type=int, default=20, help="steps between kept out/step_N copies; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep AdamW's state in checkpoints (2 x the fp32 weights) so --resume continues "
+                        "exactly; --no-save-optimizer writes weights, step, data order and RNG only")
     args = p.parse_args(argv)
     if args.group_size < 2:
         p.error(f"--group-size {args.group_size}: GRPO's advantage is relative to the group, so G >= 2")
@@ -417,7 +421,7 @@ def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
     return out if with_entropy else (out, None)
 
 
-def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0) -> dict:
+def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0, progress=None) -> dict:
     """The training half of a GRPO step: --updates-per-step optimizer steps over this rank's
     samples (one mini-batch each, cut into micro-batches of --micro-batch), every rank in
     lockstep.
@@ -425,6 +429,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     Args:
         model: the policy as `sft.wrap_model` returned it, in train mode.
         samples: this rank's samples to learn from; advantages: (len(samples),).
+        progress: optional callable (micro-batches done, total), called before each one.
     Returns:
         dict of this rank's sums (loss tokens, clip counts, KL, entropy, sampler/trainer
         logprob gap) plus grad_norm (sum over optimizer steps) and optimizer_steps, both
@@ -469,6 +474,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         # of tokens turns that average into the sum: grad = sum of token losses / N.
         normalizer = tokens[k] / d.world_size
         for m in range(n_micro[k]):
+            if progress:
+                progress(sum(n_micro[:k]) + m, sum(n_micro))
             mb = micro(k, m)
             # gradients are all-reduced on the last micro-step only (sft.grad_sync)
             with grad_sync(model, sync=m == n_micro[k] - 1):
@@ -497,7 +504,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
 
 
 def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
-              reward_fn=None, rollout_fn=rollout):
+              reward_fn=None, rollout_fn=rollout, progress=None):
     """One GRPO step, called on every rank.
 
     Args:
@@ -507,6 +514,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         draw: () -> this rank's share of the next --prompts-per-step problems.
         reward_fn: (sample, problem) -> float; default `answer_reward` (the paper's).
         rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
+        progress: passed to `update_policy`.
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
          records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere)).
@@ -560,7 +568,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     t0 = time.perf_counter()
     advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id)
+    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id, progress)
     t_train = time.perf_counter() - t0
 
     # 3) (sum, count) pairs summed over ranks; every rank computes the same numbers
@@ -612,6 +620,70 @@ def budget_warning(metrics) -> str | None:
             f"(--max-context / --max-new-tokens) and "
             f"{tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples score 0 and "
             "training learns little. Raise the budgets or check the prompt / stop tokens.")
+
+
+# -----------------------------------------------------------------------------
+# Progress and the end-of-run summary
+
+
+class MicroBatchBar:
+    """`update_policy`'s progress(done, total): a tqdm bar of micro-batches, opened at the
+    first call (the total is known only then)."""
+
+    def __init__(self, desc: str, disable: bool):
+        self.desc, self.disable, self.bar = desc, disable, None
+
+    def __call__(self, done: int, total: int):
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="micro-batch", leave=False, disable=self.disable)
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def dir_gb(path: str) -> float:
+    """Size of the files under `path`, in GB (1e9 bytes)."""
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) / 1e9
+
+
+def step_table(rows) -> str:
+    """A markdown table of metrics.jsonl rows: the figures to read a short run by."""
+    head = ("step", "reward", "accuracy", "groups with signal", "model tokens / sample", "tool calls / sample",
+            "exec errors / sample", "loss tokens", "grad norm", "rollout s", "training s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in rows:
+        signal = f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}"
+        grad = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}"
+        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}", signal,
+                 f"{m['model_tokens_per_sample']:.0f}", f"{m['tool_calls_per_sample']:.2f}",
+                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"], grad,
+                 f"{m['time_rollout'] + m['time_exec']:.0f}", f"{m['time_train']:.0f}")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
+    """What a run ends with (rank 0): one sampled trajectory of its last step in readable
+    form (a correct one with code if any, else the one with the most blocks), the per-step
+    table of metrics.jsonl, and where the files are."""
+    by_prompt = {tuple(build_prompt_ids(tokenizer, p["problem"])): p for p in problems}
+    pairs = [(s, by_prompt[tuple(s.prompt_ids)]) for s in samples if tuple(s.prompt_ids) in by_prompt]
+    s, prob = max(pairs, key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
+                                         len(sp[0].blocks)))
+    record = executor.sample_record(prob, s)
+    record["reward"] = float(reward_fn(s, prob))
+    rows = executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))
+    out = os.path.abspath(args.out)
+    return "\n".join([
+        "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
+        "Per step (metrics.jsonl):", "", step_table(rows), "",
+        f"Files in {out}:",
+        "  metrics.jsonl     one line per step (the table above and more)",
+        "  pass_rates.jsonl  one line per prompt per step: correct of G",
+        "  latest/           the trained policy (Hugging Face directory) and trainer state",
+        f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
 
 
 # -----------------------------------------------------------------------------
@@ -667,7 +739,10 @@ def main(argv=None, reward_fn=None):
         st = load_trainer_state(args.resume)
         step = st["step"]
         if not args.reset_optimizer:
-            load_optimizer_state(optimizer, st, args.resume)
+            if "optimizer" in st or "optimizer_shard" in st:
+                load_optimizer_state(optimizer, st, args.resume)
+            else:
+                print0(f"{args.resume} holds no optimizer state (--no-save-optimizer): AdamW starts fresh")
             stream.load_state_dict(st["data"])
             random.setstate(st["rng"]["python"])
             torch.set_rng_state(st["rng"]["torch"])
@@ -678,23 +753,40 @@ def main(argv=None, reward_fn=None):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     def save(name):
-        state = {"step": step, **optimizer_state(optimizer), "data": stream.state_dict(),
+        state = {"step": step, **(optimizer_state(optimizer) if args.save_optimizer else {}),
+                 "data": stream.state_dict(),
                  "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}, "world_size": world}
+        t0 = time.perf_counter()
+        if show_bars:
+            tqdm.write(f"step {step}: writing checkpoint {os.path.join(args.out, name)} ...")
         save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state)
+        if show_bars:
+            tqdm.write(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s "
+                       f"({dir_gb(os.path.join(args.out, name)):.1f} GB)")
 
-    # 3) the loop
-    from tqdm import tqdm
+    # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout for the summary
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     workers = args.exec_workers or max(1, (os.cpu_count() or 1) // local)
-    bar = tqdm(total=args.steps, initial=step, disable=rank != 0 or args.no_progress, desc="grpo", unit="step")
+    show_bars = rank == 0 and not args.no_progress
+    bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
+    last = {}
+
+    def rollout_fn(*a, **kw):
+        last["samples"] = rollout(*a, progress=last["bar"], **kw)
+        return last["samples"]
+
     with Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             if not share:
                 sync_policy(model, policy)
+            last["bar"] = RolloutProgress(per_rank * args.group_size, f"step {step} rollout", not show_bars)
+            train_bar = MicroBatchBar(f"step {step} training", not show_bars)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,
-                                         reward_fn=reward_fn)
+                                         reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
+            last["bar"].close()
+            train_bar.close()
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
@@ -711,6 +803,8 @@ def main(argv=None, reward_fn=None):
     bar.close()
     latest = os.path.join(args.out, "latest")
     print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
+    if rank == 0 and last.get("samples"):
+        print(run_summary(args, problems, tokenizer, last["samples"], reward_fn or answer_reward), flush=True)
     cleanup_distributed()
 
 
