@@ -1344,7 +1344,7 @@ class RolloutProgress:
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
         from tqdm import tqdm
 
-        self.total, self.tokens, self.blocks, self.errors = total, 0, 0, 0
+        self.total, self.done, self.tokens, self.blocks, self.errors = total, 0, 0, 0, 0
         self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable)
         self.start = self.shown = time.perf_counter()
 
@@ -1353,6 +1353,7 @@ class RolloutProgress:
         if done is not None:
             self.blocks += len(done.blocks)
             self.errors += sum(b["status"] != "ok" for b in done.blocks)
+            self.done += 1
             self.bar.update(1)
         now = time.perf_counter()
         if done is not None or now - self.shown > 1.0:  # a decode step is far shorter than a redraw
