@@ -711,8 +711,8 @@ def plot_training_curves(rows, path: str, title: str) -> None:
               ("zero-variance groups (no signal)", [("share of groups", "zero_var_share")])]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
     for ax, (name, series) in zip(axes, panels):
-        for label, key in series:
-            ax.plot(steps, [m[key] for m in rows], marker="o", label=label)
+        for j, (label, key) in enumerate(series):  # the second dashed: reward = accuracy by default
+            ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("GRPO step")
         if len(steps) <= 10:
