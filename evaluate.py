@@ -751,11 +751,13 @@ def plot_diagnostics(records, path: str, title: str) -> None:
         c.bar(i, 0 if rate is None else 100 * rate, 0.6)
         c.annotate(f"{m['code_grounded']['count']} answered", (i, 0 if rate is None else 100 * rate),
                    ha="center", va="bottom", fontsize=8)
+    if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
+        b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
     a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
     b.set(title="Recovery@k: accuracy after k failed first blocks", xlabel="k", ylabel="% correct",
           xticks=list(RECOVERY_KS), ylim=(0, 110))
     c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
-          xticklabels=list(metrics), ylim=(0, 110))
+          xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
     for ax in (a, b, c):
         ax.title.set_fontsize(10)
         ax.grid(alpha=0.3)

@@ -1661,7 +1661,7 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     if blocks and "```output" in comp:  # else what the model wrote after its last output block
         tail = comp.rsplit("```output", 1)[1].split("```", 1)[-1]
     rule = "-" * width
-    lines = ["=" * width, f"problem {record.get('id', '')}: {record['problem']}", rule, "plan:", plan.strip()]
+    lines = ["=" * width, f"problem {record.get('id', '')}: {record['problem']}", rule, "plan:", plan.strip() or "(none)"]
     for i, b in enumerate(blocks, 1):
         lines += [rule, f"block {i} ({b['status']}):", b["code"].rstrip(), f"output {i}:", b["output"].rstrip()]
     lines += [rule, "after the last output:" if blocks else "after the plan:", tail.strip() or "(nothing)", rule]
