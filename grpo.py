@@ -13,7 +13,7 @@ trainer's own forward before the step's first update (ratio exactly 1 with one u
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
+optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
 (a line per prompt per step: step, id, n, correct, reward), args.json.
 
     python grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
