@@ -277,7 +277,7 @@ def main(argv=None):
         if len(mine) < len(prompt_ids):
             print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
-    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // world)
+    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):

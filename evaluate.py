@@ -430,6 +430,10 @@ def parse_args(argv=None):
     # no model
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
                    "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
+    p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="after the tables, print the "
+                   "first N trajectories of samples.jsonl readably; 0 = none")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): "
+                   "training curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
     return p.parse_args(argv)
 
 
@@ -513,6 +517,122 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
 
 
 # -----------------------------------------------------------------------------
+# Reading a run: trajectories as text, curves and diagnostics as pictures
+
+
+def show_trajectories(out_dir: str, n: int) -> None:
+    """Print the first n samples of out_dir/samples.jsonl readably (executor.format_trajectory)."""
+    from executor import format_trajectory
+    for row in load_samples(os.path.join(out_dir, "samples.jsonl"))[:n]:
+        print(format_trajectory(row) + "\n", flush=True)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_training_curves(rows, path: str, title: str) -> None:
+    """Training curves like the paper's Fig. 3 from metrics.jsonl rows (grpo.py), one panel
+    each per step: reward and accuracy; model tokens per sample (response length); tool
+    calls and execution errors per sample; share of groups with zero reward variance."""
+    plt = _pyplot()
+    steps = [m["step"] for m in rows]
+    panels = [("reward / accuracy", [("reward mean", "reward_mean"), ("accuracy", "accuracy")]),
+              ("model tokens per sample", [("model tokens", "model_tokens_per_sample")]),
+              ("tool calls per sample", [("tool calls", "tool_calls_per_sample"),
+                                         ("execution errors", "exec_errors_per_sample")]),
+              ("zero-variance groups (no signal)", [("share of groups", "zero_var_share")])]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (name, series) in zip(axes, panels):
+        for j, (label, key) in enumerate(series):  # the second dashed: reward = accuracy by default
+            ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        if len(steps) <= 10:
+            ax.set_xticks(steps)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    for ax in (axes[0], axes[3]):
+        ax.set_ylim(-0.05, 1.05)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_diagnostics(records, path: str, title: str) -> None:
+    """The THINC diagnostics like the paper's Figs. 4-5 from samples.jsonl rows, per
+    benchmark: the distribution of code lines per trajectory, Recovery@k (k = 1..5;
+    accuracy after k failed first blocks, with the count of such samples) and the
+    code-grounded rate (share of answers that appear in an execution output)."""
+    plt = _pyplot()
+    metrics = summarize(records)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.4))
+    width = 0.8 / len(metrics)
+    for i, (bench, m) in enumerate(metrics.items()):
+        lines = [code_lines(r) for r in records if r["benchmark"] == bench]
+        a.hist(lines, bins=range(0, max(lines) + 2, max(1, (max(lines) + 1) // 20)), histtype="step",
+               linewidth=1.5, label=f"{bench} (mean {m['code_lines']:.1f})")
+        rec = [m["recovery"][str(k)] for k in RECOVERY_KS]
+        xs = [k + (i - (len(metrics) - 1) / 2) * width for k in RECOVERY_KS]
+        bars = b.bar(xs, [0 if r["value"] is None else 100 * r["value"] for r in rec], width, label=bench)
+        for bar, r in zip(bars, rec):
+            b.annotate(f"n={r['count']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=7)
+        rate = m["code_grounded"]["rate"]
+        c.bar(i, 0 if rate is None else 100 * rate, 0.6)
+        c.annotate(f"{m['code_grounded']['count']} answered", (i, 0 if rate is None else 100 * rate),
+                   ha="center", va="bottom", fontsize=8)
+    if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
+        b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
+    a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
+    b.set(title="Recovery@k: accuracy after k failed first blocks", xlabel="k", ylabel="% correct",
+          xticks=list(RECOVERY_KS), ylim=(0, 110))
+    c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
+          xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
+    for ax in (a, b, c):
+        ax.title.set_fontsize(10)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_run(run_dir: str) -> list:
+    """The PNGs for one run folder: training_curves.png from metrics.jsonl (a grpo.py run)
+    and diagnostics.png from samples.jsonl (an evaluation), whichever it holds. Returns
+    the paths written. Raises InputError when it holds neither or matplotlib is missing."""
+    from executor import read_jsonl_tolerant
+    written = []
+    metrics_path, samples_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "samples.jsonl")
+    if os.path.isfile(metrics_path):
+        rows = read_jsonl_tolerant(metrics_path)
+        if not rows:
+            raise InputError(f"{metrics_path}: no steps")
+        written.append(os.path.join(run_dir, "training_curves.png"))
+        plot_training_curves(rows, written[-1], f"GRPO training, {run_dir} ({len(rows)} steps)")
+    if os.path.isfile(samples_path):
+        rows = load_samples(samples_path)
+        if not rows:
+            raise InputError(f"{samples_path}: no samples")
+        written.append(os.path.join(run_dir, "diagnostics.png"))
+        plot_diagnostics(rows, written[-1], f"THINC diagnostics, {run_dir} ({len(rows)} samples)")
+    if not written:
+        raise InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
+    return written
+
+
+# -----------------------------------------------------------------------------
 # Evaluation run
 
 
@@ -564,7 +684,7 @@ def run(args) -> None:
                 raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                  f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                  "raise it, or remove those problems")
-            workers = args.exec_workers or max(1, (os.cpu_count() or 1)
+            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0))
                                                   // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
@@ -609,10 +729,16 @@ def run(args) -> None:
 def main(argv=None) -> None:
     """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
-    if args.from_samples is not None:
+    if args.plot:
+        for run_dir in args.plot:
+            for path in plot_run(run_dir):
+                print(f"wrote {path}")
+    elif args.from_samples is not None:
         write_report(args.from_samples, {"from_samples": args.from_samples})
     else:
         run(args)
+    if args.show and not args.plot:
+        show_trajectories(args.from_samples or args.out, args.show)
 
 
 def interrupted() -> str:

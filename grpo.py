@@ -21,7 +21,7 @@ one GRPO step; then bookkeeping (metrics), the prompt stream and the training lo
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
+optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
 (a line per prompt per step: step, id, n, correct, reward), args.json.
 
     python grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
@@ -34,6 +34,7 @@ Departures from the paper (which does not describe these details):
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
 """
+import argparse
 import copy
 import hashlib
 import os
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import executor
 import sft
@@ -114,6 +116,9 @@ def parse_args(argv=None):
                    "loses at most this many steps); 0 = only at the end")
     p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept out/step_N copies; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep AdamW's state in checkpoints (2 x the fp32 weights) so --resume continues "
+                        "exactly; --no-save-optimizer writes weights, step, data order and RNG only")
     return p.parse_args(argv)
 
 
@@ -327,7 +332,7 @@ TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # pol
 TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "logprob_diff")
 
 
-def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0) -> dict:
+def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0, progress=None) -> dict:
     """The training half of a GRPO step: --updates-per-step optimizer steps over this rank's
     samples (one mini-batch each, cut into micro-batches of --micro-batch), every rank in
     lockstep.
@@ -335,6 +340,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     Args:
         model: the policy as `sft.wrap_model` returned it, in train mode.
         samples: this rank's samples to learn from; advantages: (len(samples),).
+        progress: optional callable (micro-batches done, total), called before each one.
     Returns:
         dict of this rank's sums (TRAIN_SUMS: loss tokens, and clip counts, KL, entropy and
         |trainer - sampler| logprob gap summed over loss tokens) plus grad_norm (sum over
@@ -368,6 +374,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
         for j, mb in enumerate(minis[k]):
+            if progress:
+                progress(sum(n_micro[:k]) + j, sum(n_micro))
             # gradients are all-reduced on the last micro-step only (sft.grad_sync)
             with sft.grad_sync(model, sync=j == n_micro[k] - 1):
                 lp, ent = _logprobs(model, mb, args, d, True)  # (B, T), (B, T)
@@ -400,7 +408,7 @@ def split_even(items, k: int) -> list:
 
 
 def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
-              reward_fn=None, rollout_fn=executor.rollout):
+              reward_fn=None, rollout_fn=executor.rollout, progress=None):
     """One GRPO step, called on every rank: rollouts, rewards, group advantages, the update.
 
     Args:
@@ -411,6 +419,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         reward_fn: (sample, problem) -> float, called for every sample; default
             `answer_reward` (the paper's), looked up at each call.
         rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
+        progress: passed to `update_policy`.
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
          records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere)).
@@ -443,7 +452,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     t0 = time.perf_counter()
     advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id)
+    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id, progress)
     times = [t_rollout, t_exec, time.perf_counter() - t0]
     return step_metrics(step, rounds, upd, times, G, optimizer, d)
 
@@ -568,6 +577,69 @@ class PromptStream:
             self._start(state["epoch"] + 1, 0)
 
 
+# Progress and the end-of-run summary
+
+
+class MicroBatchBar:
+    """`update_policy`'s progress(done, total): a tqdm bar of micro-batches, opened at the
+    first call (the total is known only then)."""
+
+    def __init__(self, desc: str, disable: bool):
+        self.desc, self.disable, self.bar = desc, disable, None
+
+    def __call__(self, done: int, total: int):
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="micro-batch", leave=False, disable=self.disable)
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def dir_gb(path: str) -> float:
+    """Size of the files under `path`, in GB (1e9 bytes)."""
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) / 1e9
+
+
+def step_table(rows) -> str:
+    """A markdown table of metrics.jsonl rows: the figures to read a short run by."""
+    head = ("step", "reward", "accuracy", "groups with signal", "model tokens / sample", "tool calls / sample",
+            "exec errors / sample", "loss tokens", "grad norm", "rollout s", "training s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in rows:
+        signal = f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}"
+        grad = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}"
+        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}", signal,
+                 f"{m['model_tokens_per_sample']:.0f}", f"{m['tool_calls_per_sample']:.2f}",
+                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"], grad,
+                 f"{m['time_rollout'] + m['time_exec']:.0f}", f"{m['time_train']:.0f}")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
+    """What a run ends with (rank 0): one sampled trajectory of its last step in readable
+    form (a correct one with code if any, else the one with the most blocks), the per-step
+    table of metrics.jsonl, and where the files are."""
+    by_prompt = {tuple(executor.build_prompt_ids(tokenizer, p["problem"])): p for p in problems}
+    pairs = [(s, by_prompt[tuple(s.prompt_ids)]) for s in samples if tuple(s.prompt_ids) in by_prompt]
+    s, prob = max(pairs, key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
+                                         len(sp[0].blocks)))
+    record = executor.sample_record(prob, s)
+    record["reward"] = float(reward_fn(s, prob))
+    rows = executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))
+    out = os.path.abspath(args.out)
+    return "\n".join([
+        "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
+        "Per step (metrics.jsonl):", "", step_table(rows), "",
+        f"Files in {out}:",
+        "  metrics.jsonl     one line per step (the table above and more)",
+        "  pass_rates.jsonl  one line per prompt per step: correct of G",
+        "  latest/           the trained policy (Hugging Face directory) and trainer state",
+        f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
+
+
 # -----------------------------------------------------------------------------
 # Training loop
 
@@ -633,20 +705,36 @@ def main(argv=None, reward_fn=None):
 
     def save(name):
         state = {"step": step, "data": stream.state_dict()}
-        sft.save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, optimizer)
+        path = os.path.join(args.out, name)
+        t0 = time.perf_counter()
+        if show_bars:
+            tqdm.write(f"step {step}: writing checkpoint {path} ...")
+        sft.save_checkpoint(path, model, tokenizer, vars(args), state, optimizer if args.save_optimizer else None)
+        if show_bars:
+            tqdm.write(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
 
-    # 3) the loop
-    from tqdm import tqdm
-    workers = args.exec_workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    bar = tqdm(total=args.steps, initial=step, disable=rank != 0 or args.no_progress, desc="grpo", unit="step")
+    # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout for the summary
+    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    show_bars = rank == 0 and not args.no_progress
+    bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
+    last = {}
+
+    def rollout_fn(*a, **kw):
+        last["samples"] = executor.rollout(*a, progress=last["bar"], **kw)
+        return last["samples"]
+
     with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             if not share:
                 sync_policy(model, policy)
+            last["bar"] = executor.RolloutProgress(args.prompts_per_step // world * args.group_size, f"step {step} rollout", not show_bars)
+            train_bar = MicroBatchBar(f"step {step} training", not show_bars)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,
-                                         reward_fn=reward_fn)
+                                         reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
+            last["bar"].close()
+            train_bar.close()
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
@@ -663,6 +751,8 @@ def main(argv=None, reward_fn=None):
     bar.close()
     latest = os.path.join(args.out, "latest")
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
+    if rank == 0 and last.get("samples"):
+        print(run_summary(args, problems, tokenizer, last["samples"], reward_fn or answer_reward), flush=True)
     sft.cleanup_distributed()
 
 

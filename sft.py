@@ -539,8 +539,7 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
     sd = full_state_dict(model)
     if trainer_state is not None:
-        if optimizer is not None:
-            trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
+        trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
         if rank != 0 and not _is_sharded(model) and "optimizer" in trainer_state:
             # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
             # of memory and disk three times over saved per extra rank); RNG stays per rank
@@ -604,7 +603,7 @@ def _optimizer_and_rng_state(optimizer) -> dict:
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {**optimizer_state(optimizer), "rng": rng, "world_size": world}
+    return {**(optimizer_state(optimizer) if optimizer is not None else {}), "rng": rng, "world_size": world}
 
 
 def interrupted_note(out: str) -> str:
@@ -633,7 +632,10 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
         # a DDP rank > 0: the optimizer is rank 0's
         state["optimizer"] = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True).get("optimizer")
     if optimizer is not None:
-        load_optimizer_state(optimizer, state, ckpt_dir)
+        if state.get("optimizer") is None and "optimizer_shard" not in state:
+            print0(f"{ckpt_dir} holds no optimizer state (saved with --no-save-optimizer): AdamW starts fresh")
+        else:
+            load_optimizer_state(optimizer, state, ckpt_dir)
         rng = state["rng"]
         random.setstate(rng["python"])
         if "numpy" in rng:  # grpo.py's checkpoints before this version kept python and torch only
