@@ -633,7 +633,7 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
         state["optimizer"] = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True).get("optimizer")
     if optimizer is not None:
         if state.get("optimizer") is None and "optimizer_shard" not in state:
-            print0(f"{ckpt_dir} holds no optimizer state (saved with --no-save-optimizer): AdamW starts fresh")
+            print0(f"{ckpt_dir} holds no optimizer state (--no-save-optimizer): AdamW starts fresh")
         else:
             load_optimizer_state(optimizer, state, ckpt_dir)
         rng = state["rng"]
