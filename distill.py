@@ -20,6 +20,8 @@ Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share")
      <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
      <stem>.summary.json (counts and shares per rule, acceptance, means, args).
 Resumable: whole-line appends; a rerun skips every (problem, sample_idx) in either file.
+A problem whose prompt leaves no room under --max-context is skipped (and counted), never
+prefilled.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
     torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
@@ -86,9 +88,8 @@ def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
         for r in rows:
             plan, blocks, final = split_completion(r["completion"])
             results = sb.run_many([code for code, _ in blocks])
-            for i, res in enumerate(results):
-                if not res.ok:
-                    raise ValueError(f"{r['id']}: block {i} ended with {res.status}:\n{res.output}")
+            if failed := [f"block {i}: {res.status}\n{res.output}" for i, res in enumerate(results) if not res.ok]:
+                raise ValueError(f"{r['id']}: " + "\n".join(failed))
             r["completion"] = join_completion(plan, [(c, res.output.rstrip("\n"))
                                                      for (c, _), res in zip(blocks, results)], final)
     ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -151,12 +152,8 @@ def summarize(kept: list, rejected: list) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# Files: kept / rejected / summary beside --out, resume
-
-def sibling(out: str, suffix: str) -> str:
-    """runs/traj.jsonl + '.rejected.jsonl' -> runs/traj.rejected.jsonl"""
-    return out.removesuffix(".jsonl") + suffix
-
+# Files: kept / rejected / summary / args beside --out (runs/traj.jsonl: runs/traj.rejected.jsonl,
+# ...), resume
 
 # rollout's keyword arguments, taken from the flags of the same names; with them, the
 # arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
@@ -175,8 +172,7 @@ def work_key(problem: dict, j: int) -> tuple:
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
-    p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER,
-                   help="teacher: Hugging Face model directory, .gguf file or packaged model name")
+    p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER, help="HF dir, .gguf or packaged name")
     p.add_argument("--data", type=ex.input_file, default=f"{DATA}/demo_problems.jsonl", help="problems JSONL")
     p.add_argument("--out", default="runs/distill/traj.jsonl", help="kept trajectories; the other files go beside it")
     p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
@@ -189,8 +185,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="base seed; a batch's seed also depends on its first problem")
     p.add_argument("--batch-size", type=ex.positive_int, default=8, help="problems per rollout call, per rank")
     # budgets
-    p.add_argument("--max-context", type=ex.positive_int, default=32768,
-                   help="tokens, prompt (3 exemplars included) + completion; a prompt that leaves no room is skipped")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens, 3-shot prompt + completion")
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model tokens per sample; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed blocks per sample")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds, wall clock, per block")
@@ -214,7 +209,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.refresh_exemplars:
         return refresh_exemplars(args.exemplars, args.exec_timeout)
-    out, rejected_path, args_path = args.out, sibling(args.out, ".rejected.jsonl"), sibling(args.out, ".args.json")
+    out, stem = args.out, args.out.removesuffix(".jsonl")
+    rejected_path, args_path = f"{stem}.rejected.jsonl", f"{stem}.args.json"
     if os.path.isdir(out):
         raise ex.InputError(f"--out {out}: a folder, not a .jsonl file")
     ex.check_out(os.path.dirname(os.path.abspath(out)), "distill")
@@ -283,7 +279,7 @@ def main(argv=None):
     barrier()
     if rank == 0:
         summary = summarize(ex.read_jsonl_tolerant(out), ex.read_jsonl_tolerant(rejected_path))
-        ex.write_json_atomic(sibling(out, ".summary.json"), {**summary, "args": vars(args)})
+        ex.write_json_atomic(f"{stem}.summary.json", {**summary, "args": vars(args)})
         print(json.dumps(summary, indent=2))
     cleanup_distributed()
 
@@ -291,7 +287,7 @@ def main(argv=None):
 def interrupted() -> str:
     """The line a Ctrl-C prints: what is kept, and the command that continues."""
     out = parse_args().out
-    return f"kept {out} and {sibling(out, '.rejected.jsonl')}; resume: {ex.command_line()}"
+    return f"kept {out} and {out.removesuffix('.jsonl')}.rejected.jsonl; resume: {ex.command_line()}"
 
 
 if __name__ == "__main__":
