@@ -18,7 +18,8 @@ through the teacher's own chat template.
 In:  --teacher (HF model directory or .gguf), --data problems JSONL {"id", "problem", "answer"}.
 Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share");
      <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
-     <stem>.summary.json (counts and shares per rule, acceptance, means, args).
+     <stem>.summary.json (counts and shares per rule, acceptance, means, args);
+     <stem>.args.json (the arguments; a rerun must repeat those of RUN_ARGS).
 Resumable: whole-line appends; a rerun skips every (problem, sample_idx) in either file.
 A problem whose prompt leaves no room under --max-context is skipped (and counted), never
 prefilled.
@@ -152,8 +153,8 @@ def summarize(kept: list, rejected: list) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# Files: kept / rejected / summary / args beside --out (runs/traj.jsonl: runs/traj.rejected.jsonl,
-# ...), resume
+# Files and resume: --out runs/traj.jsonl has runs/traj.rejected.jsonl, .summary.json and
+# .args.json beside it
 
 # rollout's keyword arguments, taken from the flags of the same names; with them, the
 # arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
