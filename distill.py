@@ -18,8 +18,11 @@ through the teacher's own chat template.
 In:  --teacher (HF model directory or .gguf), --data problems JSONL {"id", "problem", "answer"}.
 Out: --out kept rows (design-card trajectory JSONL + "sample_idx", "plan_share");
      <stem>.rejected.jsonl (same rows + "reasons": every failed rule);
-     <stem>.summary.json (counts and shares per rule, acceptance, means, args).
+     <stem>.summary.json (counts and shares per rule, acceptance, means, args);
+     <stem>.args.json (the arguments; a rerun must repeat those of RUN_ARGS).
 Resumable: whole-line appends; a rerun skips every (problem, sample_idx) in either file.
+A problem whose prompt leaves no room under --max-context is skipped (and counted), never
+prefilled.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
     torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
@@ -36,28 +39,30 @@ import sys
 import time
 from collections import Counter
 from datetime import timedelta
+from statistics import fmean
 
 import torch.distributed as dist
 
 import executor as ex
 from sft import cleanup_distributed, print0, setup_distributed
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
 
 # -----------------------------------------------------------------------------
 # Exemplars: data/exemplars.jsonl, one {"id", "problem", "answer", "completion"} a line
 
-def split_completion(completion: str):
+def split_completion(completion: str, where: str = ""):
     """Split an exemplar into (plan, [(code, output), ...], final) with the engine's parser
-    (`executor.split_completion`). Raises ValueError unless it is a plan, then only python
-    blocks each followed by its output block, then a final text without fences."""
+    (`executor.split_completion`). Raises InputError (a ValueError; its message starts with
+    `where`) unless it is a plan, then only python blocks each followed by its output
+    block, then a final text without fences."""
     segs = ex.split_completion(completion)
     plan = segs.pop(0).text if segs and segs[0].kind == "plan" else ""
     final = segs.pop().text if segs and segs[-1].kind == "prose" else ""
     kinds = [s.kind for s in segs]
     if not segs or kinds != ["code", "output"] * (len(segs) // 2) or "```" in final:
-        raise ValueError(f"not a plan, then python blocks each followed by its output, then the answer: {kinds}")
+        raise ex.InputError(f"{where}not a plan, python blocks each followed by its output, the answer: {kinds}")
     return plan, [(code.body, out.body) for code, out in zip(segs[::2], segs[1::2])], final
 
 
@@ -67,13 +72,11 @@ def join_completion(plan: str, blocks, final: str) -> str:
 
 
 def load_exemplars(path: str) -> list:
-    """Read and check the few-shot exemplars (each must parse as plan / blocks / box)."""
+    """Read and check the few-shot exemplars: InputError naming the file and the exemplar
+    unless each parses as plan / blocks / answer."""
     rows = ex.read_jsonl_tolerant(path)
     for r in rows:
-        try:
-            split_completion(str(r.get("completion", "")))
-        except ValueError as e:
-            raise ex.InputError(f"{path}: exemplar {r.get('id')!r}: {e}") from None
+        split_completion(str(r.get("completion", "")), where=f"{path}: exemplar {r.get('id')!r}: ")
     return rows
 
 
@@ -81,17 +84,17 @@ def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
     """Re-run every exemplar block in the sandbox and rewrite its output block with what
     the sandbox printed (`output.rstrip("\\n")`, as the engine inserts it). Raises
     ValueError if a block does not finish with status 'ok'."""
-    rows = ex.read_jsonl_tolerant(path)
+    rows = load_exemplars(path)
     with ex.Sandbox(workers=4, timeout=timeout) as sb:
         for r in rows:
             plan, blocks, final = split_completion(r["completion"])
             results = sb.run_many([code for code, _ in blocks])
-            for i, res in enumerate(results):
-                if not res.ok:
-                    raise ValueError(f"{r['id']}: block {i} ended with {res.status}:\n{res.output}")
+            if failed := [f"block {i}: {res.status}\n{res.output}" for i, res in enumerate(results) if not res.ok]:
+                raise ValueError(f"{r['id']}: " + "\n".join(failed))
             r["completion"] = join_completion(plan, [(c, res.output.rstrip("\n"))
                                                      for (c, _), res in zip(blocks, results)], final)
     ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"rewrote the output blocks of {path}")
 
 
 def teacher_prompt_ids(tokenizer, problem: str, exemplars, stateful: bool = False) -> list:
@@ -130,42 +133,35 @@ def filter_reasons(record: dict, min_blocks: int = 3, max_plan_share: float = 0.
 
 def summarize(kept: list, rejected: list) -> dict:
     """Counts and shares (over all trajectories) of each failed rule, acceptance rate, mean
-    blocks and mean plan share (all trajectories and kept ones), finish reasons."""
+    blocks and mean plan share (all trajectories and kept ones), finish reasons. A share or
+    mean over no trajectory is None."""
     rows = kept + rejected
     n = len(rows)
-
-    def mean(xs):
-        xs = list(xs)
-        return sum(xs) / len(xs) if xs else None
-
     fails = {r: sum(r in row["reasons"] for row in rejected) for r in RULES}
     return {
         "trajectories": n, "kept": len(kept), "rejected": len(rejected),
         "acceptance_rate": len(kept) / n if n else None,
         "failed": {r: {"count": c, "share": c / n if n else None} for r, c in fails.items()},
         "only_failed": {r: sum(row["reasons"] == [r] for row in rejected) for r in RULES},
-        "mean_blocks": mean(r["n_code_blocks"] for r in rows),
-        "mean_blocks_kept": mean(r["n_code_blocks"] for r in kept),
-        "mean_plan_share": mean(plan_share(r) for r in rows),
-        "mean_plan_share_kept": mean(plan_share(r) for r in kept),
-        "mean_completion_tokens": mean(r["completion_tokens"] for r in rows),
+        "mean_blocks": fmean(r["n_code_blocks"] for r in rows) if rows else None,
+        "mean_blocks_kept": fmean(r["n_code_blocks"] for r in kept) if kept else None,
+        "mean_plan_share": fmean(map(plan_share, rows)) if rows else None,
+        "mean_plan_share_kept": fmean(map(plan_share, kept)) if kept else None,
+        "mean_completion_tokens": fmean(r["completion_tokens"] for r in rows) if rows else None,
         "finish_reasons": dict(Counter(row["finish_reason"] for row in rows)),
     }
 
 
 # -----------------------------------------------------------------------------
-# Files: kept / rejected / summary beside --out, resume
+# Files and resume: --out runs/traj.jsonl has runs/traj.rejected.jsonl, .summary.json and
+# .args.json beside it
 
-def sibling(out: str, suffix: str) -> str:
-    """runs/traj.jsonl + '.rejected.jsonl' -> runs/traj.rejected.jsonl"""
-    stem = out[:-len(".jsonl")] if out.endswith(".jsonl") else out
-    return stem + suffix
-
-
+# rollout's keyword arguments, taken from the flags of the same names; with them, the
 # arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
 # only continued with the same ones (batch size, seed and limit may change)
-RUN_ARGS = ("teacher", "exemplars", "dtype", "temperature", "top_p", "top_k", "max_context", "max_new_tokens",
-            "max_tool_calls", "exec_timeout", "min_blocks", "max_plan_share", "allow_unfinished", "stateful")
+SAMPLING = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
+RUN_ARGS = ("teacher", "exemplars", "dtype", *SAMPLING, "exec_timeout", "min_blocks", "max_plan_share",
+            "allow_unfinished")
 
 
 def work_key(problem: dict, j: int) -> tuple:
@@ -177,14 +173,10 @@ def work_key(problem: dict, j: int) -> tuple:
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
-    p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER,
-                   help="teacher: Hugging Face model directory, .gguf file or packaged model name")
-    p.add_argument("--data", type=ex.input_file, default=os.path.join(HERE, "data", "demo_problems.jsonl"),
-                   help="problems JSONL: one {id, problem, answer} per line")
-    p.add_argument("--out", default="runs/distill/traj.jsonl",
-                   help="kept trajectories JSONL; rejected / summary files go beside it")
-    p.add_argument("--exemplars", type=ex.input_file, default=os.path.join(HERE, "data", "exemplars.jsonl"),
-                   help="few-shot exemplars JSONL (all of its rows are used)")
+    p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER, help="HF dir, .gguf or packaged name")
+    p.add_argument("--data", type=ex.input_file, default=f"{DATA}/demo_problems.jsonl", help="problems JSONL")
+    p.add_argument("--out", default="runs/distill/traj.jsonl", help="kept trajectories; the other files go beside it")
+    p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")
     # sampling (paper: 1 sample per problem)
     p.add_argument("--samples-per-problem", type=ex.positive_int, default=1, help="trajectories per problem")
@@ -192,43 +184,34 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="base seed; a batch's seed also depends on its first problem")
-    p.add_argument("--batch-size", type=ex.positive_int, default=8,
-                   help="problems per rollout call, per rank (x samples-per-problem sequences in memory)")
+    p.add_argument("--batch-size", type=ex.positive_int, default=8, help="problems per rollout call, per rank")
     # budgets
-    p.add_argument("--max-context", type=ex.positive_int, default=32768,
-                   help="tokens, prompt (3 exemplars included) + completion; reaching it ends a sample; "
-                   "a problem whose prompt leaves no room is skipped and counted")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens, 3-shot prompt + completion")
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model tokens per sample; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed blocks per sample")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds, wall clock, per block")
     p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
-    p.add_argument("--stateful", action="store_true",
-                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
+    p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # filter
     p.add_argument("--min-blocks", type=ex.nonneg_int, default=3, help="rule (iii): at least this many code blocks")
     p.add_argument("--max-plan-share", type=ex.unit_float, default=0.5,
                    help="rule (iv): plan tokens / completion tokens must be below this")
-    p.add_argument("--allow-unfinished", action="store_true",
-                   help="keep trajectories that ended by a budget (the paper's four rules only)")
+    p.add_argument("--allow-unfinished", action="store_true", help="keep samples cut by a budget (the paper's 4 rules)")
     # model
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="None: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--refresh-exemplars", action="store_true",
-                   help="only re-run the exemplar blocks and rewrite their output blocks, then exit")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--refresh-exemplars", action="store_true", help="only rewrite the exemplars' output blocks")
     return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
-# Main: shard, resume, rollout, filter, append
+# Main: shard, resume, rollout, filter, append, summary
 
 def main(argv=None):
     args = parse_args(argv)
     if args.refresh_exemplars:
-        refresh_exemplars(args.exemplars, args.exec_timeout)
-        print(f"rewrote the output blocks of {args.exemplars}")
-        return
-    out, rejected_path = args.out, sibling(args.out, ".rejected.jsonl")
-    summary_path, args_path = sibling(args.out, ".summary.json"), sibling(args.out, ".args.json")
+        return refresh_exemplars(args.exemplars, args.exec_timeout)
+    out, stem = args.out, args.out.removesuffix(".jsonl")
+    rejected_path, args_path = f"{stem}.rejected.jsonl", f"{stem}.args.json"
     if os.path.isdir(out):
         raise ex.InputError(f"--out {out}: a folder, not a .jsonl file")
     ex.check_out(os.path.dirname(os.path.abspath(out)), "distill")
@@ -242,7 +225,6 @@ def main(argv=None):
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
     barrier = dist.barrier if world > 1 else (lambda: None)
-
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
@@ -255,23 +237,19 @@ def main(argv=None):
     # problem or answer is new work)
     k = args.samples_per_problem
     done = {work_key(r, r["sample_idx"]) for path in (out, rejected_path) for r in ex.read_jsonl_tolerant(path)}
-    # shard by position in the file (stable across resumes), then skip finished problems
+    # shard by position in the file, not in the work left: a rank's share never depends on
+    # what another rank has appended meanwhile; then skip finished problems
     mine = [(i, p) for i, p in enumerate(problems) if i % world == rank
             and any(work_key(p, j) not in done for j in range(k))]
     n_todo = sum(work_key(p, j) not in done for p in problems for j in range(k))
-    print0(f"problems {len(problems)} x {k} samples = {len(problems) * k} trajectories; "
-           f"{len(problems) * k - n_todo} done before, {n_todo} to sample on {world} rank(s); "
-           f"rank 0: {len(mine)} problems in {-(-len(mine) // args.batch_size)} batches of <= {args.batch_size}")
+    print0(f"problems {len(problems)} x {k} samples: {len(problems) * k - n_todo} done before, {n_todo} to sample "
+           f"on {world} rank(s); rank 0: {len(mine)} problems in batches of <= {args.batch_size}")
 
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
     if mine:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
         # prompts are measured before any forward: one with no room for a token under
         # --max-context is skipped and counted, never prefilled
-        base = len(teacher_prompt_ids(tokenizer, "", exemplars))
-        if base >= args.max_context:
-            raise ex.InputError(f"--max-context {args.max_context}: the system prompt and exemplars alone are "
-                                f"{base} tokens")
         prompt_ids = {i: teacher_prompt_ids(tokenizer, p["problem"], exemplars, args.stateful) for i, p in mine}
         mine = [(i, p) for i, p in mine if len(prompt_ids[i]) < args.max_context]
         if len(mine) < len(prompt_ids):
@@ -279,28 +257,22 @@ def main(argv=None):
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
-    with ex.Sandbox(workers=workers if mine else 1, timeout=args.exec_timeout) as sandbox:
+    with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine), args.batch_size):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
-            prompts = [prompt_ids[i] for i, _ in batch]
-            samples = ex.rollout(model, tokenizer, prompts, sandbox, n=k, temperature=args.temperature,
-                                 top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
-                                 max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
-                                 seed=args.seed * 1_000_003 + batch[0][0], stateful=args.stateful)
+            samples = ex.rollout(model, tokenizer, [prompt_ids[i] for i, _ in batch], sandbox, n=k,
+                                 seed=args.seed * 1_000_003 + batch[0][0], **{a: getattr(args, a) for a in SAMPLING})
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
                     for i, (_, p) in enumerate(batch) for j in range(k) if work_key(p, j) not in done]
             for row in rows:
                 row["plan_share"] = plan_share(row)
-            reasons = [filter_reasons(row, args.min_blocks, args.max_plan_share, not args.allow_unfinished)
-                       for row in rows]
-            kept = [row for row, why in zip(rows, reasons) if not why]
-            rejected = [{**row, "reasons": why} for row, why in zip(rows, reasons) if why]
-            # 5) whole-line appends: safe across ranks (O_APPEND) and against kills
-            ex.append_jsonl(out, kept)
-            ex.append_jsonl(rejected_path, rejected)
-            n_new, n_kept = n_new + len(rows), n_kept + len(kept)
+                why = filter_reasons(row, args.min_blocks, args.max_plan_share, not args.allow_unfinished)
+                # 5) whole-line appends: safe across ranks (O_APPEND) and against kills
+                ex.append_jsonl(rejected_path if why else out, [{**row, "reasons": why} if why else row])
+                n_kept += not why
+            n_new += len(rows)
             print(f"[rank {rank}] {b + len(batch)}/{len(mine)} problems, kept {n_kept}/{n_new}, "
                   f"{time.time() - t0:.0f} s", flush=True)
 
@@ -308,16 +280,15 @@ def main(argv=None):
     barrier()
     if rank == 0:
         summary = summarize(ex.read_jsonl_tolerant(out), ex.read_jsonl_tolerant(rejected_path))
-        ex.write_json_atomic(summary_path, {**summary, "args": vars(args)})
+        ex.write_json_atomic(f"{stem}.summary.json", {**summary, "args": vars(args)})
         print(json.dumps(summary, indent=2))
     cleanup_distributed()
 
 
 def interrupted() -> str:
     """The line a Ctrl-C prints: what is kept, and the command that continues."""
-    args = parse_args()
-    return (f"the trajectories written so far are kept in {args.out} and {sibling(args.out, '.rejected.jsonl')}; "
-            f"resume: {ex.command_line()}")
+    out = parse_args().out
+    return f"kept {out} and {out.removesuffix('.jsonl')}.rejected.jsonl; resume: {ex.command_line()}"
 
 
 if __name__ == "__main__":
