@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -75,32 +76,24 @@ def avg_at_k(records) -> tuple:
     Run j is every record with sample_idx == j; its accuracy is the share of its records
     marked correct (over the problems present in that run). mean is the average over runs
     (equal to the overall accuracy when every problem has every run); std is the
-    population std over runs (the paper's +-). Raises ValueError on no records.
+    population std over runs (the paper's +-). Raises ValueError (statistics.StatisticsError)
+    on no records.
     """
     runs = defaultdict(list)
     for r in records:
         runs[r["sample_idx"]].append(bool(r["correct"]))
-    if not runs:
-        raise ValueError("avg_at_k: no records")
-    accs = [sum(v) / len(v) for _, v in sorted(runs.items())]
-    mean = sum(accs) / len(accs)
-    std = math.sqrt(sum((a - mean) ** 2 for a in accs) / len(accs))
-    return mean, std
+    accs = [sum(v) / len(v) for v in runs.values()]
+    return statistics.fmean(accs), statistics.pstdev(accs)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with n samples of which c are correct:
-    1 - C(n - c, k) / C(n, k), computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), which
-    never forms the large binomials (Chen et al. 2021, Codex paper, Fig. 3).
-    Raises ValueError unless 0 <= c <= n and 1 <= k <= n."""
+    1 - C(n - c, k) / C(n, k) (Chen et al. 2021, Codex paper); Python's exact integers
+    and correctly rounded int / int keep it exact for any n (C(n - c, k) = 0 when every
+    k-subset holds a correct sample). Raises ValueError unless 0 <= c <= n and 1 <= k <= n."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:   # every k-subset holds a correct sample
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def mean_pass_at_k(records, k: int) -> float:
