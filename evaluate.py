@@ -388,45 +388,35 @@ SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "temperat
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, pass@k, maj@k, "
                           "code-grounded rate, Recovery@k and trajectory diagnostics. Launch with python or torchrun.")
+    demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
     # model and data
-    p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY,
-                   help="policy: HF model dir, .gguf file or packaged model name")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weights dtype (None: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file,
-                   default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")],
+    p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY, help="HF dir, .gguf or packaged name")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file, default=[demo],
                    help="problems files, one benchmark each (named by the file stem)")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
-    p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (created; a folder "
-                   "holding a killed run of the same command is resumed)")
+    p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")
     # sampling (paper defaults)
     p.add_argument("--k", type=ex.positive_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="top-k filter; 0 = off")
-    p.add_argument("--max-context", type=ex.positive_int, default=32768,
-                   help="tokens of prompt + completion (model and interpreter output) per sample")
-    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0,
-                   help="model-written tokens per sample; 0 = no limit beyond --max-context")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens of prompt + completion")
+    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model-written tokens; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed code blocks per sample")
-    p.add_argument("--seed", type=int, default=0, help="base seed; each wave's rollout seed is "
-                   "derived from it, the benchmark, the wave's problem ids and k")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the waves' rollout seeds (wave_seed)")
     # throughput
-    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave "
-                   "of batch-size x k sequences shares the KV cache, per rank); lower it if out "
-                   "of memory. Part of what makes a sample reproducible (see waves)")
-    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0,
-                   help="code blocks run at once, per rank; 0 = CPUs / local ranks")
+    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
+                   "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once, per rank; 0 = CPUs / "
+                   "local ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
-    p.add_argument("--stateful", action="store_true",
-                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
+    p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # no model
-    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
-                   "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
-    p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="after the tables, print the "
-                   "first N trajectories of samples.jsonl readably; 0 = none")
-    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): "
-                   "training curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
+    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from DIR/samples.jsonl (no model)")
+    p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): training "
+                   "curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
     return p.parse_args(argv)
 
 
