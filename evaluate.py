@@ -512,42 +512,43 @@ def show_trajectories(out_dir: str, n: int) -> None:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")  # files only, no display
     return plt
+
+
+def _save(fig, axes, path: str, title: str) -> None:
+    for ax in axes:
+        ax.title.set_fontsize(10)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    _pyplot().close(fig)
 
 
 def plot_training_curves(rows, path: str, title: str) -> None:
     """Training curves like the paper's Fig. 3 from metrics.jsonl rows (grpo.py), one panel
     each per step: reward and accuracy; model tokens per sample (response length); tool
     calls and execution errors per sample; share of groups with zero reward variance."""
-    plt = _pyplot()
     steps = [m["step"] for m in rows]
     panels = [("reward / accuracy", [("reward mean", "reward_mean"), ("accuracy", "accuracy")]),
               ("model tokens per sample", [("model tokens", "model_tokens_per_sample")]),
               ("tool calls per sample", [("tool calls", "tool_calls_per_sample"),
                                          ("execution errors", "exec_errors_per_sample")]),
               ("zero-variance groups (no signal)", [("share of groups", "zero_var_share")])]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    fig, axes = _pyplot().subplots(1, 4, figsize=(14, 3.2))
     for ax, (name, series) in zip(axes, panels):
         for j, (label, key) in enumerate(series):  # the second dashed: reward = accuracy by default
             ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("GRPO step")
-        if len(steps) <= 10:
-            ax.set_xticks(steps)
-        ax.grid(alpha=0.3)
+        ax.set(title=name, xlabel="GRPO step", **({"xticks": steps} if len(steps) <= 10 else {}))
         if len(series) > 1:
             ax.legend(fontsize=8)
     for ax in (axes[0], axes[3]):
         ax.set_ylim(-0.05, 1.05)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(fig, axes, path, title)
 
 
 def plot_diagnostics(records, path: str, title: str) -> None:
@@ -555,9 +556,8 @@ def plot_diagnostics(records, path: str, title: str) -> None:
     benchmark: the distribution of code lines per trajectory, Recovery@k (k = 1..5;
     accuracy after k failed first blocks, with the count of such samples) and the
     code-grounded rate (share of answers that appear in an execution output)."""
-    plt = _pyplot()
     metrics = summarize(records)
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.4))
+    fig, (a, b, c) = _pyplot().subplots(1, 3, figsize=(14, 3.4))
     width = 0.8 / len(metrics)
     for i, (bench, m) in enumerate(metrics.items()):
         lines = [code_lines(r) for r in records if r["benchmark"] == bench]
@@ -565,14 +565,11 @@ def plot_diagnostics(records, path: str, title: str) -> None:
                linewidth=1.5, label=f"{bench} (mean {m['code_lines']:.1f})")
         rec = [m["recovery"][str(k)] for k in RECOVERY_KS]
         xs = [k + (i - (len(metrics) - 1) / 2) * width for k in RECOVERY_KS]
-        bars = b.bar(xs, [0 if r["value"] is None else 100 * r["value"] for r in rec], width, label=bench)
-        for bar, r in zip(bars, rec):
-            b.annotate(f"n={r['count']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                       ha="center", va="bottom", fontsize=7)
-        rate = m["code_grounded"]["rate"]
-        c.bar(i, 0 if rate is None else 100 * rate, 0.6)
-        c.annotate(f"{m['code_grounded']['count']} answered", (i, 0 if rate is None else 100 * rate),
-                   ha="center", va="bottom", fontsize=8)
+        bars = b.bar(xs, [100 * (r["value"] or 0) for r in rec], width, label=bench)
+        b.bar_label(bars, [f"n={r['count']}" for r in rec], fontsize=7)
+        rate = 100 * (m["code_grounded"]["rate"] or 0)
+        c.bar(i, rate, 0.6)
+        c.annotate(f"{m['code_grounded']['count']} answered", (i, rate), ha="center", va="bottom", fontsize=8)
     if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
         b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
     a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
@@ -580,36 +577,27 @@ def plot_diagnostics(records, path: str, title: str) -> None:
           xticks=list(RECOVERY_KS), ylim=(0, 110))
     c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
           xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
-    for ax in (a, b, c):
-        ax.title.set_fontsize(10)
-        ax.grid(alpha=0.3)
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(fig, (a, b, c), path, title)
 
 
 def plot_run(run_dir: str) -> list:
     """The PNGs for one run folder: training_curves.png from metrics.jsonl (a grpo.py run)
     and diagnostics.png from samples.jsonl (an evaluation), whichever it holds. Returns
     the paths written. Raises InputError when it holds neither or matplotlib is missing."""
-    from executor import read_jsonl_tolerant
     written = []
-    metrics_path, samples_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "samples.jsonl")
-    if os.path.isfile(metrics_path):
-        rows = read_jsonl_tolerant(metrics_path)
-        if not rows:
-            raise InputError(f"{metrics_path}: no steps")
-        written.append(os.path.join(run_dir, "training_curves.png"))
-        plot_training_curves(rows, written[-1], f"GRPO training, {run_dir} ({len(rows)} steps)")
-    if os.path.isfile(samples_path):
-        rows = load_samples(samples_path)
-        if not rows:
-            raise InputError(f"{samples_path}: no samples")
-        written.append(os.path.join(run_dir, "diagnostics.png"))
-        plot_diagnostics(rows, written[-1], f"THINC diagnostics, {run_dir} ({len(rows)} samples)")
+    for name, read, unit, png, plot, what in (
+            ("metrics.jsonl", ex.read_jsonl_tolerant, "steps", "training_curves.png", plot_training_curves,
+             "GRPO training"),
+            ("samples.jsonl", load_samples, "samples", "diagnostics.png", plot_diagnostics, "THINC diagnostics")):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            rows = read(path)
+            if not rows:
+                raise InputError(f"{path}: no {unit}")
+            written.append(os.path.join(run_dir, png))
+            plot(rows, written[-1], f"{what}, {run_dir} ({len(rows)} {unit})")
     if not written:
         raise InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
     return written

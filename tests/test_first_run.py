@@ -169,7 +169,7 @@ def _eval_folder(path):
 
 def test_show_prints_trajectories_with_blocks_and_outputs(tmp_path, capsys):
     rows = _eval_folder(tmp_path / "e")
-    assert ev.main(["--from-samples", str(tmp_path / "e"), "--show", "2"]) == 0
+    assert ex.cli(ev.main, ["--from-samples", str(tmp_path / "e"), "--show", "2"]) == 0
     text = capsys.readouterr().out
     shown = text[text.index("=" * 80):]
     assert shown == ex.format_trajectory(rows[0]) + "\n\n" + ex.format_trajectory(rows[1]) + "\n\n"
@@ -185,7 +185,7 @@ def test_plot_writes_training_curves_and_diagnostics(tmp_path, capsys):
              for s, r in ((1, 0.125), (2, 0.25), (3, 0.5))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
     _eval_folder(tmp_path / "e")
-    assert ev.main(["--plot", str(run), str(tmp_path / "e")]) == 0
+    assert ex.cli(ev.main, ["--plot", str(run), str(tmp_path / "e")]) == 0
     curves, diag = run / "training_curves.png", tmp_path / "e" / "diagnostics.png"
     assert capsys.readouterr().out == f"wrote {curves}\nwrote {diag}\n"
     for png, shape in ((curves, (256, 1120)), (diag, (272, 1120))):
@@ -195,12 +195,12 @@ def test_plot_writes_training_curves_and_diagnostics(tmp_path, capsys):
 
 
 def test_plot_of_a_folder_without_results_is_a_clean_error(tmp_path, capsys):
-    assert ev.main(["--plot", str(tmp_path)]) == 2
+    assert ex.cli(ev.main, ["--plot", str(tmp_path)]) == 2
     assert "neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     _eval_folder(tmp_path / "e")
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert ev.main(["--plot", str(tmp_path / "e")]) == 2
+    assert ex.cli(ev.main, ["--plot", str(tmp_path / "e")]) == 2
     assert "--plot needs matplotlib, which is not installed: pip install matplotlib" in capsys.readouterr().err
