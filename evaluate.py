@@ -39,6 +39,7 @@ Departures from the paper (it does not define these details):
      the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
 import datetime
+import glob
 import json
 import math
 import os
@@ -326,7 +327,6 @@ def markdown_table(metrics: dict) -> str:
 FIELD_TYPES = {"id": str, "benchmark": str, "answer": str, "pred": (str, type(None)), "correct": bool,
                "sample_idx": int, "finish_reason": str, "completion": str, "blocks": list, "n_code_blocks": int,
                "n_exec_errors": int, "completion_tokens": int, "model_tokens": int, "plan_tokens": int}
-RANK_FILE = re.compile(r"samples\.rank\d+\.jsonl")   # a rank's samples while a run is in progress
 
 
 def load_samples(path: str, torn_tail_ok: bool = False) -> list:
@@ -362,11 +362,10 @@ def merged_samples(out_dir: str) -> dict:
     samples.rank*.jsonl (in-progress rows of any earlier world size, a torn last line
     ignored). Returns {(benchmark, id, sample_idx): row}; the same key in two files must
     hold the same row. Raises InputError (see load_samples) or for conflicting rows."""
-    names = sorted(n for n in os.listdir(out_dir) if RANK_FILE.fullmatch(n)) if os.path.isdir(out_dir) else []
     rows, where = {}, {}
-    for name in ["samples.jsonl"] + names:
-        path = os.path.join(out_dir, name)
-        for row in load_samples(path, torn_tail_ok=name != "samples.jsonl") if os.path.exists(path) else []:
+    merged = os.path.join(out_dir, "samples.jsonl")
+    for path in [merged] + sorted(glob.glob(os.path.join(glob.escape(out_dir), "samples.rank*.jsonl"))):
+        for row in load_samples(path, torn_tail_ok=path != merged) if os.path.exists(path) else []:
             key = (row["benchmark"], row["id"], row["sample_idx"])
             if key in rows and rows[key] != row:
                 raise InputError(f"{path}: sample {key} differs from the one in {where[key]} "
@@ -628,21 +627,19 @@ def run(args) -> None:
     # rollout time differences)
     rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
-        todo = [w for i, w in enumerate(waves) if i % world == rank
-                and any(key not in done for key in wave_keys(w, args.k))]
-        n_items = sum(len(qs) for qs in benches.values()) * args.k
-        print0(f"{len(benches)} benchmarks, {n_items // args.k} problems x k {args.k} = {n_items} samples "
-               f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
-               f"waves w % {world} == r); {len(done)} samples already in {args.out}")
+        todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
+        n_problems = sum(len(qs) for qs in benches.values())
+        print0(f"{len(benches)} benchmarks, {n_problems} problems x k {args.k} = {n_problems * args.k} samples in "
+               f"{len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs waves "
+               f"w % {world} == r); {len(done)} samples already in {args.out}")
+        os.makedirs(args.out, exist_ok=True)
         if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
             write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
         if todo:
             my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
-            os.makedirs(args.out, exist_ok=True)
             ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # every prompt is measured before any forward: one with no room for a token under
@@ -687,11 +684,10 @@ def run(args) -> None:
             rows = merged_samples(args.out)
             keys = [key for w in waves for key in wave_keys(w, args.k)]
             assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
-            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys)
-            write_json_atomic(os.path.join(args.out, "samples.jsonl"), text)
-            for name in os.listdir(args.out):
-                if RANK_FILE.fullmatch(name):
-                    os.remove(os.path.join(args.out, name))
+            write_json_atomic(os.path.join(args.out, "samples.jsonl"),
+                              "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys))
+            for path in glob.glob(os.path.join(glob.escape(args.out), "samples.rank*.jsonl")):
+                os.remove(path)
             write_report(args.out, {"stage": "evaluate", **vars(args)})
     finally:
         cleanup_distributed()
