@@ -226,24 +226,20 @@ def trajectory_stats(records) -> dict:
     prose_words_after_plan (whitespace-separated words of prose_after_plan) and
     prose_after_plan_share (share of records with any); shares of records with no code
     block and with no answer; finish_reasons: share of each finish_reason."""
-    n = len(records)
     prose = [len(prose_after_plan(r["completion"]).split()) for r in records]
+    finish = Counter(r["finish_reason"] for r in records)
     return {
         "code_lines": _mean(code_lines(r) for r in records),
         "code_blocks": _mean(r["n_code_blocks"] for r in records),
         "tool_calls": _mean(len(r["blocks"]) for r in records),
         "exec_errors": _mean(r["n_exec_errors"] for r in records),
-        "model_tokens": _mean(r["model_tokens"] for r in records),
-        "completion_tokens": _mean(r["completion_tokens"] for r in records),
-        "plan_tokens": _mean(r["plan_tokens"] for r in records),
-        "plan_share": _mean(r["plan_tokens"] / r["model_tokens"] for r in records
-                            if r["model_tokens"] > 0),
+        **{key: _mean(r[key] for r in records) for key in ("model_tokens", "completion_tokens", "plan_tokens")},
+        "plan_share": _mean(r["plan_tokens"] / r["model_tokens"] for r in records if r["model_tokens"] > 0),
         "prose_words_after_plan": _mean(prose),
         "prose_after_plan_share": _mean(w > 0 for w in prose),
         "no_code_share": _mean(r["n_code_blocks"] == 0 for r in records),
         "no_answer_share": _mean(r["pred"] is None for r in records),
-        "finish_reasons": {k: c / n for k, c in sorted(Counter(r["finish_reason"]
-                                                               for r in records).items())},
+        "finish_reasons": {k: c / len(records) for k, c in sorted(finish.items())},
     }
 
 
@@ -264,17 +260,14 @@ def summarize(records) -> dict:
         rs = [r for r in records if r["benchmark"] == bench]
         sizes = [len(v) for v in _by_problem(rs).values()]
         k = min(sizes)
-        ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+        ks = sorted({2 ** i for i in range(k.bit_length())} | {k})   # 2 ** (bit_length - 1) <= k
         mean, std = avg_at_k(rs)
-        rate, count = code_grounded_rate(rs)
         out[bench] = {
             "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
-            "avg_at_k": mean, "avg_at_k_std": std,
+            "avg_at_k": mean, "avg_at_k_std": std, "maj_at_k": maj_at_k(rs),
             "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
-            "maj_at_k": maj_at_k(rs),
-            "code_grounded": {"rate": rate, "count": count},
-            "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j)))
-                         for j in RECOVERY_KS},
+            "code_grounded": dict(zip(("rate", "count"), code_grounded_rate(rs))),
+            "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j))) for j in RECOVERY_KS},
             **trajectory_stats(rs),
         }
     return out
@@ -288,33 +281,31 @@ def _num(x, digits=1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown_table(metrics: dict) -> str:
     """Two markdown tables for {benchmark: metrics} (as from summarize): accuracy
     (avg@k +- std, maj@k, pass@k at the largest k, in %; a `mean` row of the benchmarks'
     avg@k when there are several) and diagnostics (per-trajectory means, code-grounded
     rate, Recovery@1..5 with their counts, finish-reason shares)."""
-    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |",
-           "|---|---|---|---|---|---|"]
+    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |", "|---" * 6 + "|"]
     for bench, m in metrics.items():
         top = max(m["pass_at_k"], key=int)
-        acc.append(f"| {bench} | {m['n_problems']} | {m['k']} | {_pct(m['avg_at_k'])} ± "
-                   f"{_pct(m['avg_at_k_std'])} | {_pct(m['maj_at_k'])} | "
-                   f"{_pct(m['pass_at_k'][top])} (k={top}) |")
+        acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
+                        _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
     if len(metrics) > 1:
         acc.append(f"| mean | | | {_pct(_mean(m['avg_at_k'] for m in metrics.values()))} | | |")
-    rec_head = " | ".join(f"R@{j} (n)" for j in RECOVERY_KS)
-    diag = [f"| benchmark | tool calls | code lines | errors | model tokens | plan share | "
-            f"prose words | grounded | {rec_head} | stop / length / tool_budget |",
+    diag = [_row("benchmark", "tool calls", "code lines", "errors", "model tokens", "plan share", "prose words",
+                 "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),
             "|---" * (9 + len(RECOVERY_KS)) + "|"]
     for bench, m in metrics.items():
-        rec = " | ".join(f"{_pct(r['value'])} ({r['count']})"
-                         for r in (m["recovery"][str(j)] for j in RECOVERY_KS))
-        fr = m["finish_reasons"]
-        ends = " / ".join(_pct(fr.get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
-        diag.append(f"| {bench} | {_num(m['tool_calls'])} | {_num(m['code_lines'])} | "
-                    f"{_num(m['exec_errors'])} | {_num(m['model_tokens'], 0)} | "
-                    f"{_pct(m['plan_share'])} | {_num(m['prose_words_after_plan'])} | "
-                    f"{_pct(m['code_grounded']['rate'])} | {rec} | {ends} |")
+        rec = [f"{_pct(r['value'])} ({r['count']})" for r in (m["recovery"][str(j)] for j in RECOVERY_KS)]
+        ends = " / ".join(_pct(m["finish_reasons"].get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
+        diag.append(_row(bench, _num(m["tool_calls"]), _num(m["code_lines"]), _num(m["exec_errors"]),
+                         _num(m["model_tokens"], 0), _pct(m["plan_share"]), _num(m["prose_words_after_plan"]),
+                         _pct(m["code_grounded"]["rate"]), *rec, ends))
     return "\n".join(acc) + "\n\n" + "\n".join(diag) + "\n"
 
 
