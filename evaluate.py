@@ -117,13 +117,10 @@ def majority_answer(records, equal=grade):
     sample_idx. Returns the winning group's first record, or None if no record has an
     answer."""
     groups = []   # in first-vote order
-    for r in sorted(records, key=lambda r: r["sample_idx"]):
-        if not r["pred"]:
-            continue
-        for g in groups:
-            if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"]):
-                g.append(r)
-                break
+    for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
+        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), None)
+        if g:
+            g.append(r)
         else:
             groups.append([r])
     # max() keeps the first of equal counts, and groups are in first-vote order
@@ -398,8 +395,7 @@ def parse_args(argv=None):
     # throughput
     p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
                    "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
-    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once, per rank; 0 = CPUs / "
-                   "local ranks")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # no model
@@ -490,14 +486,7 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# Reading a run: trajectories as text, curves and diagnostics as pictures
-
-
-def show_trajectories(out_dir: str, n: int) -> None:
-    """Print the first n samples of out_dir/samples.jsonl readably (executor.format_trajectory)."""
-    from executor import format_trajectory
-    for row in load_samples(os.path.join(out_dir, "samples.jsonl"))[:n]:
-        print(format_trajectory(row) + "\n", flush=True)
+# Reading a run: curves and diagnostics as pictures (--show prints trajectories: main)
 
 
 def _pyplot():
@@ -643,28 +632,24 @@ def run(args) -> None:
                 raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                  f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                  "raise it, or remove those problems")
-            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0))
-                                                  // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
-                    t0 = time.time()
-                    wave_prompts = [prompts[w["benchmark"], q["id"]] for q in w["problems"]]
+                    t0, ids = time.time(), [q["id"] for q in w["problems"]]
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
                     samples = ex.rollout(
-                        model, tok, wave_prompts, sandbox, n=args.k, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
+                        model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(), stateful=args.stateful)
-                    ids = [q["id"] for q in w["problems"]]
                     # samples[n] is work item n of the wave (problem-major); its seed is the call's
                     rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
                              "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
                             for n, key in enumerate(wave_keys(w, args.k)) if key not in done]
                     ex.append_jsonl(my_file, rows)
                     print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
-                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s",
-                          flush=True)
+                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s", flush=True)
 
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
@@ -688,15 +673,15 @@ def main(argv=None) -> None:
     """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
     if args.plot:
-        for run_dir in args.plot:
-            for path in plot_run(run_dir):
-                print(f"wrote {path}")
+        for path in (path for run_dir in args.plot for path in plot_run(run_dir)):
+            print(f"wrote {path}")
     elif args.from_samples is not None:
         write_report(args.from_samples, {"from_samples": args.from_samples})
     else:
         run(args)
-    if args.show and not args.plot:
-        show_trajectories(args.from_samples or args.out, args.show)
+    if args.show and not args.plot:   # the first N samples, readably
+        for row in load_samples(os.path.join(args.from_samples or args.out, "samples.jsonl"))[:args.show]:
+            print(ex.format_trajectory(row) + "\n", flush=True)
 
 
 def interrupted() -> str:
