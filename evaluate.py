@@ -66,9 +66,9 @@ def _mean(xs):
 def _by_problem(records) -> dict:
     """(benchmark, id) -> that problem's records sorted by sample_idx."""
     groups = defaultdict(list)
-    for r in records:
+    for r in sorted(records, key=lambda r: r["sample_idx"]):
         groups[(r.get("benchmark"), r["id"])].append(r)
-    return {key: sorted(rs, key=lambda r: r["sample_idx"]) for key, rs in groups.items()}
+    return groups
 
 
 def avg_at_k(records) -> tuple:
@@ -131,11 +131,9 @@ def maj_at_k(records, k: int | None = None, equal=grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
     answer at all counts as wrong."""
-    hits = []
-    for rs in _by_problem(records).values():
-        voted = majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
-        hits.append(voted is not None and bool(voted["correct"]))
-    return _mean(hits)
+    voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
+             for rs in _by_problem(records).values()]
+    return _mean(v is not None and bool(v["correct"]) for v in voted)
 
 
 # -----------------------------------------------------------------------------
@@ -629,9 +627,8 @@ def run(args) -> None:
                        for w in waves for q in w["problems"]}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
-                raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
-                                 f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
-                                 "raise it, or remove those problems")
+                raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context {args.max_context} "
+                                 f"(e.g. {long[0]}: {len(prompts[long[0]])} tokens): raise it, or remove those problems")
             workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
