@@ -493,13 +493,11 @@ def _pyplot():
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     plt.switch_backend("Agg")  # files only, no display
+    plt.rcParams.update({"axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8})
     return plt
 
 
-def _save(fig, axes, path: str, title: str) -> None:
-    for ax in axes:
-        ax.title.set_fontsize(10)
-        ax.grid(alpha=0.3)
+def _save(fig, path: str, title: str) -> None:
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -522,10 +520,10 @@ def plot_training_curves(rows, path: str, title: str) -> None:
             ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
         ax.set(title=name, xlabel="GRPO step", **({"xticks": steps} if len(steps) <= 10 else {}))
         if len(series) > 1:
-            ax.legend(fontsize=8)
+            ax.legend()
     for ax in (axes[0], axes[3]):
         ax.set_ylim(-0.05, 1.05)
-    _save(fig, axes, path, title)
+    _save(fig, path, title)
 
 
 def plot_diagnostics(records, path: str, title: str) -> None:
@@ -554,9 +552,9 @@ def plot_diagnostics(records, path: str, title: str) -> None:
           xticks=list(RECOVERY_KS), ylim=(0, 110))
     c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
           xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
-    a.legend(fontsize=8)
-    b.legend(fontsize=8)
-    _save(fig, (a, b, c), path, title)
+    a.legend()
+    b.legend()
+    _save(fig, path, title)
 
 
 def plot_run(run_dir: str) -> list:
