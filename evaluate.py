@@ -40,6 +40,7 @@ Departures from the paper (it does not define these details):
 """
 import datetime
 import glob
+import hashlib
 import json
 import math
 import os
@@ -98,14 +99,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def mean_pass_at_k(records, k: int) -> float:
-    """pass_at_k averaged over problems (n, c counted per problem). Raises ValueError if
-    some problem has fewer than k samples."""
-    vals = []
-    for key, rs in _by_problem(records).items():
-        if len(rs) < k:
-            raise ValueError(f"pass@{k}: problem {key[1]!r} has only {len(rs)} samples")
-        vals.append(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k))
-    return _mean(vals)
+    """pass_at_k averaged over problems (n, c counted per problem). Raises ValueError (from
+    pass_at_k) if some problem has fewer than k samples."""
+    return _mean(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k) for rs in _by_problem(records).values())
 
 
 def majority_answer(records, equal=grade):
@@ -425,9 +421,7 @@ def read_benchmarks(paths, limit: int) -> dict:
 def wave_seed(seed: int, benchmark: str, ids, k: int) -> int:
     """The rollout seed of one wave: a stable hash (not Python's salted hash()) of the base
     seed, the benchmark, the wave's problem ids in order, and k."""
-    import hashlib
-    h = hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()
-    return int(h[:15], 16)
+    return int(hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()[:15], 16)
 
 
 def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
