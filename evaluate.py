@@ -329,8 +329,8 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
             raise InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         for k, t in FIELD_TYPES.items():
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
-                raise InputError(f"{path}:{lineno}: field '{k}' must be {getattr(t, '__name__', 'str or null')}, "
-                                 f"got {row[k]!r}")
+                want = getattr(t, "__name__", "str or null")
+                raise InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if key in seen:
             raise InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
@@ -536,9 +536,8 @@ def plot_diagnostics(records, path: str, title: str) -> None:
         xs = [k + (i - (len(metrics) - 1) / 2) * width for k in RECOVERY_KS]
         bars = b.bar(xs, [100 * (r["value"] or 0) for r in rec], width, label=bench)
         b.bar_label(bars, [f"n={r['count']}" for r in rec], fontsize=7)
-        rate = 100 * (m["code_grounded"]["rate"] or 0)
-        c.bar(i, rate, 0.6)
-        c.annotate(f"{m['code_grounded']['count']} answered", (i, rate), ha="center", va="bottom", fontsize=8)
+        bar = c.bar(i, 100 * (m["code_grounded"]["rate"] or 0), 0.6)
+        c.bar_label(bar, [f"{m['code_grounded']['count']} answered"], fontsize=8)
     if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
         b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
     a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
@@ -600,8 +599,7 @@ def run(args) -> None:
         todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
         n_problems = sum(len(qs) for qs in benches.values())
         print0(f"{len(benches)} benchmarks, {n_problems} problems x k {args.k} = {n_problems * args.k} samples in "
-               f"{len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs waves "
-               f"w % {world} == r); {len(done)} samples already in {args.out}")
+               f"{len(waves)} waves; {world} ranks (rank r runs waves w % {world} == r); {len(done)} already done")
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:
             write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
