@@ -599,7 +599,8 @@ def run(args) -> None:
         todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
         n_problems = sum(len(qs) for qs in benches.values())
         print0(f"{len(benches)} benchmarks, {n_problems} problems x k {args.k} = {n_problems * args.k} samples in "
-               f"{len(waves)} waves; {world} ranks (rank r runs waves w % {world} == r); {len(done)} already done")
+               f"{len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs waves "
+               f"w % {world} == r); {len(done)} samples already in {args.out}")
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:
             write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
