@@ -51,7 +51,6 @@ import time
 from collections import Counter, defaultdict
 
 import executor as ex
-from executor import InputError, grade, number_value, split_completion, write_json_atomic
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
 
@@ -104,7 +103,7 @@ def mean_pass_at_k(records, k: int) -> float:
     return _mean(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k) for rs in _by_problem(records).values())
 
 
-def majority_answer(records, equal=grade):
+def majority_answer(records, equal=ex.grade):
     """The voted record of one problem. Records with a pred vote, grouped by the grader's
     equivalence: a pred joins the first group whose first pred it equals (the same string,
     or equal(pred, first pred), the first pred in the gold's place), else it opens a new
@@ -123,7 +122,7 @@ def majority_answer(records, equal=grade):
     return max(groups, key=len)[0] if groups else None
 
 
-def maj_at_k(records, k: int | None = None, equal=grade) -> float:
+def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
     answer at all counts as wrong."""
@@ -160,9 +159,9 @@ def answer_in_output(pred: str, outputs) -> bool:
     name, number or `/` (`2\\pi` matches `2*pi`, not `32*pi`). The bare forms drop
     brackets, so `(1+x)/2` and `1+x/2` match each other: a diagnostic, not a grader.
     """
-    value = number_value(pred)
+    value = ex.number_value(pred)
     if value is not None:
-        return any(number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
+        return any(ex.number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
     bare = _bare(pred)
     token = re.compile(r"(?<![\w./])" + re.escape(bare) + r"(?![\w./])")
     return bool(bare) and any(token.search(_bare(out)) for out in outputs if out)
@@ -195,7 +194,7 @@ def prose_after_plan(completion: str) -> str:
     without `</think>` (a thinking template's trajectory closes its think block before the
     answer). Empty for a completion with no code block. Format adherence: THINC writes no
     prose between or after its blocks."""
-    prose = "".join(s.text for s in split_completion(completion) if s.kind == "prose")
+    prose = "".join(s.text for s in ex.split_completion(completion) if s.kind == "prose")
     lines = prose.replace("</think>", "").split("\n")
     boxed = [i for i, ln in enumerate(lines) if "\\boxed" in ln or "\\fbox" in ln]
     if boxed:
@@ -326,14 +325,14 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
     for lineno, row in ex.read_jsonl(path, torn_tail_ok):
         missing = [k for k in FIELD_TYPES if k not in row]
         if missing:
-            raise InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            raise ex.InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         for k, t in FIELD_TYPES.items():
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
                 want = getattr(t, "__name__", "str or null")
-                raise InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
+                raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if key in seen:
-            raise InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
+            raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
         seen[key] = lineno
         rows.append(row)
     return rows
@@ -350,8 +349,7 @@ def merged_samples(out_dir: str) -> dict:
         for row in load_samples(path, torn_tail_ok=path != merged) if os.path.exists(path) else []:
             key = (row["benchmark"], row["id"], row["sample_idx"])
             if key in rows and rows[key] != row:
-                raise InputError(f"{path}: sample {key} differs from the one in {where[key]} "
-                                 "(two runs wrote to this folder?)")
+                raise ex.InputError(f"{path}: sample {key} differs from the one in {where[key]} (two runs wrote here?)")
             rows[key], where[key] = row, path
     return rows
 
@@ -389,7 +387,7 @@ def parse_args(argv=None):
     # throughput
     p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
                    "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
-    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs / ranks")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # no model
@@ -413,7 +411,7 @@ def read_benchmarks(paths, limit: int) -> dict:
     for path in paths:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in benches:
-            raise InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
+            raise ex.InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
         benches[name] = ex.read_problems(path)[:limit or None]
     return benches
 
@@ -451,7 +449,7 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     for key, row in done.items():
         q = problems.get(key[:2])
         if q is None or key[2] >= args.k or row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
-            raise InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
+            raise ex.InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
                              "(the data files changed?): use another --out")
 
 
@@ -463,11 +461,11 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
     path = os.path.join(out_dir, "samples.jsonl")
     rows = load_samples(path)
     if not rows:
-        raise InputError(f"{path}: no samples")
+        raise ex.InputError(f"{path}: no samples")
     metrics = summarize(rows)
     table = markdown_table(metrics)
-    write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
-    write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
+    ex.write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
+    ex.write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
     print(table, flush=True)
     for bench, m in metrics.items():
         length, tools = (m["finish_reasons"].get(x, 0.0) for x in ("length", "tool_budget"))
@@ -485,7 +483,7 @@ def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+        raise ex.InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     plt.switch_backend("Agg")  # files only, no display
     plt.rcParams.update({"axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8})
     return plt
@@ -563,11 +561,11 @@ def plot_run(run_dir: str) -> list:
         if os.path.isfile(path):
             rows = read(path)
             if not rows:
-                raise InputError(f"{path}: no {unit}")
+                raise ex.InputError(f"{path}: no {unit}")
             written.append(os.path.join(run_dir, png))
             plot(rows, written[-1], f"{what}, {run_dir} ({len(rows)} {unit})")
     if not written:
-        raise InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
+        raise ex.InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
     return written
 
 
@@ -603,7 +601,7 @@ def run(args) -> None:
                f"w % {world} == r); {len(done)} samples already in {args.out}")
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:
-            write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
@@ -618,9 +616,11 @@ def run(args) -> None:
                        for w in waves for q in w["problems"]}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
-                raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context {args.max_context} "
-                                 f"(e.g. {long[0]}: {len(prompts[long[0]])} tokens): raise it, or remove those problems")
-            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
+                                    f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
+                                    "raise it, or remove those problems")
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // local_ranks)
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
                     t0, ids = time.time(), [q["id"] for q in w["problems"]]
@@ -648,7 +648,7 @@ def run(args) -> None:
             rows = merged_samples(args.out)
             keys = [key for w in waves for key in wave_keys(w, args.k)]
             assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
-            write_json_atomic(os.path.join(args.out, "samples.jsonl"),
+            ex.write_json_atomic(os.path.join(args.out, "samples.jsonl"),
                               "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys))
             for path in glob.glob(os.path.join(glob.escape(args.out), "samples.rank*.jsonl")):
                 os.remove(path)
