@@ -39,16 +39,18 @@ Departures from the paper (it does not define these details):
      the call's seed and problem ids) and 1 or N ranks give the same samples.
 """
 import datetime
+import glob
+import hashlib
 import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
 
 import executor as ex
-from executor import InputError, grade, number_value, split_completion, write_json_atomic
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
 
@@ -64,9 +66,9 @@ def _mean(xs):
 def _by_problem(records) -> dict:
     """(benchmark, id) -> that problem's records sorted by sample_idx."""
     groups = defaultdict(list)
-    for r in records:
+    for r in sorted(records, key=lambda r: r["sample_idx"]):
         groups[(r.get("benchmark"), r["id"])].append(r)
-    return {key: sorted(rs, key=lambda r: r["sample_idx"]) for key, rs in groups.items()}
+    return groups
 
 
 def avg_at_k(records) -> tuple:
@@ -75,46 +77,33 @@ def avg_at_k(records) -> tuple:
     Run j is every record with sample_idx == j; its accuracy is the share of its records
     marked correct (over the problems present in that run). mean is the average over runs
     (equal to the overall accuracy when every problem has every run); std is the
-    population std over runs (the paper's +-). Raises ValueError on no records.
+    population std over runs (the paper's +-). Raises ValueError (statistics.StatisticsError)
+    on no records.
     """
     runs = defaultdict(list)
     for r in records:
         runs[r["sample_idx"]].append(bool(r["correct"]))
-    if not runs:
-        raise ValueError("avg_at_k: no records")
-    accs = [sum(v) / len(v) for _, v in sorted(runs.items())]
-    mean = sum(accs) / len(accs)
-    std = math.sqrt(sum((a - mean) ** 2 for a in accs) / len(accs))
-    return mean, std
+    accs = [sum(v) / len(v) for v in runs.values()]
+    return statistics.fmean(accs), statistics.pstdev(accs)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with n samples of which c are correct:
-    1 - C(n - c, k) / C(n, k), computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), which
-    never forms the large binomials (Chen et al. 2021, Codex paper, Fig. 3).
-    Raises ValueError unless 0 <= c <= n and 1 <= k <= n."""
+    1 - C(n - c, k) / C(n, k) (Chen et al. 2021, Codex paper); Python's exact integers
+    and correctly rounded int / int keep it exact for any n (C(n - c, k) = 0 when every
+    k-subset holds a correct sample). Raises ValueError unless 0 <= c <= n and 1 <= k <= n."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:   # every k-subset holds a correct sample
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def mean_pass_at_k(records, k: int) -> float:
-    """pass_at_k averaged over problems (n, c counted per problem). Raises ValueError if
-    some problem has fewer than k samples."""
-    vals = []
-    for key, rs in _by_problem(records).items():
-        if len(rs) < k:
-            raise ValueError(f"pass@{k}: problem {key[1]!r} has only {len(rs)} samples")
-        vals.append(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k))
-    return _mean(vals)
+    """pass_at_k averaged over problems (n, c counted per problem). Raises ValueError (from
+    pass_at_k) if some problem has fewer than k samples."""
+    return _mean(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k) for rs in _by_problem(records).values())
 
 
-def majority_answer(records, equal=grade):
+def majority_answer(records, equal=ex.grade):
     """The voted record of one problem. Records with a pred vote, grouped by the grader's
     equivalence: a pred joins the first group whose first pred it equals (the same string,
     or equal(pred, first pred), the first pred in the gold's place), else it opens a new
@@ -123,28 +112,23 @@ def majority_answer(records, equal=grade):
     sample_idx. Returns the winning group's first record, or None if no record has an
     answer."""
     groups = []   # in first-vote order
-    for r in sorted(records, key=lambda r: r["sample_idx"]):
-        if not r["pred"]:
-            continue
-        for g in groups:
-            if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"]):
-                g.append(r)
-                break
+    for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
+        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), None)
+        if g:
+            g.append(r)
         else:
             groups.append([r])
     # max() keeps the first of equal counts, and groups are in first-vote order
     return max(groups, key=len)[0] if groups else None
 
 
-def maj_at_k(records, k: int | None = None, equal=grade) -> float:
+def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
     answer at all counts as wrong."""
-    hits = []
-    for rs in _by_problem(records).values():
-        voted = majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
-        hits.append(voted is not None and bool(voted["correct"]))
-    return _mean(hits)
+    voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
+             for rs in _by_problem(records).values()]
+    return _mean(v is not None and bool(v["correct"]) for v in voted)
 
 
 # -----------------------------------------------------------------------------
@@ -175,9 +159,9 @@ def answer_in_output(pred: str, outputs) -> bool:
     name, number or `/` (`2\\pi` matches `2*pi`, not `32*pi`). The bare forms drop
     brackets, so `(1+x)/2` and `1+x/2` match each other: a diagnostic, not a grader.
     """
-    value = number_value(pred)
+    value = ex.number_value(pred)
     if value is not None:
-        return any(number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
+        return any(ex.number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
     bare = _bare(pred)
     token = re.compile(r"(?<![\w./])" + re.escape(bare) + r"(?![\w./])")
     return bool(bare) and any(token.search(_bare(out)) for out in outputs if out)
@@ -210,7 +194,7 @@ def prose_after_plan(completion: str) -> str:
     without `</think>` (a thinking template's trajectory closes its think block before the
     answer). Empty for a completion with no code block. Format adherence: THINC writes no
     prose between or after its blocks."""
-    prose = "".join(s.text for s in split_completion(completion) if s.kind == "prose")
+    prose = "".join(s.text for s in ex.split_completion(completion) if s.kind == "prose")
     lines = prose.replace("</think>", "").split("\n")
     boxed = [i for i, ln in enumerate(lines) if "\\boxed" in ln or "\\fbox" in ln]
     if boxed:
@@ -232,24 +216,20 @@ def trajectory_stats(records) -> dict:
     prose_words_after_plan (whitespace-separated words of prose_after_plan) and
     prose_after_plan_share (share of records with any); shares of records with no code
     block and with no answer; finish_reasons: share of each finish_reason."""
-    n = len(records)
     prose = [len(prose_after_plan(r["completion"]).split()) for r in records]
+    finish = Counter(r["finish_reason"] for r in records)
     return {
         "code_lines": _mean(code_lines(r) for r in records),
         "code_blocks": _mean(r["n_code_blocks"] for r in records),
         "tool_calls": _mean(len(r["blocks"]) for r in records),
         "exec_errors": _mean(r["n_exec_errors"] for r in records),
-        "model_tokens": _mean(r["model_tokens"] for r in records),
-        "completion_tokens": _mean(r["completion_tokens"] for r in records),
-        "plan_tokens": _mean(r["plan_tokens"] for r in records),
-        "plan_share": _mean(r["plan_tokens"] / r["model_tokens"] for r in records
-                            if r["model_tokens"] > 0),
+        **{key: _mean(r[key] for r in records) for key in ("model_tokens", "completion_tokens", "plan_tokens")},
+        "plan_share": _mean(r["plan_tokens"] / r["model_tokens"] for r in records if r["model_tokens"] > 0),
         "prose_words_after_plan": _mean(prose),
         "prose_after_plan_share": _mean(w > 0 for w in prose),
         "no_code_share": _mean(r["n_code_blocks"] == 0 for r in records),
         "no_answer_share": _mean(r["pred"] is None for r in records),
-        "finish_reasons": {k: c / n for k, c in sorted(Counter(r["finish_reason"]
-                                                               for r in records).items())},
+        "finish_reasons": {k: c / len(records) for k, c in sorted(finish.items())},
     }
 
 
@@ -270,17 +250,14 @@ def summarize(records) -> dict:
         rs = [r for r in records if r["benchmark"] == bench]
         sizes = [len(v) for v in _by_problem(rs).values()]
         k = min(sizes)
-        ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+        ks = sorted({2 ** i for i in range(k.bit_length())} | {k})   # 2 ** (bit_length - 1) <= k
         mean, std = avg_at_k(rs)
-        rate, count = code_grounded_rate(rs)
         out[bench] = {
             "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
-            "avg_at_k": mean, "avg_at_k_std": std,
+            "avg_at_k": mean, "avg_at_k_std": std, "maj_at_k": maj_at_k(rs),
             "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
-            "maj_at_k": maj_at_k(rs),
-            "code_grounded": {"rate": rate, "count": count},
-            "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j)))
-                         for j in RECOVERY_KS},
+            "code_grounded": dict(zip(("rate", "count"), code_grounded_rate(rs))),
+            "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j))) for j in RECOVERY_KS},
             **trajectory_stats(rs),
         }
     return out
@@ -294,33 +271,31 @@ def _num(x, digits=1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown_table(metrics: dict) -> str:
     """Two markdown tables for {benchmark: metrics} (as from summarize): accuracy
     (avg@k +- std, maj@k, pass@k at the largest k, in %; a `mean` row of the benchmarks'
     avg@k when there are several) and diagnostics (per-trajectory means, code-grounded
     rate, Recovery@1..5 with their counts, finish-reason shares)."""
-    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |",
-           "|---|---|---|---|---|---|"]
+    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |", "|---" * 6 + "|"]
     for bench, m in metrics.items():
         top = max(m["pass_at_k"], key=int)
-        acc.append(f"| {bench} | {m['n_problems']} | {m['k']} | {_pct(m['avg_at_k'])} ± "
-                   f"{_pct(m['avg_at_k_std'])} | {_pct(m['maj_at_k'])} | "
-                   f"{_pct(m['pass_at_k'][top])} (k={top}) |")
+        acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
+                        _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
     if len(metrics) > 1:
         acc.append(f"| mean | | | {_pct(_mean(m['avg_at_k'] for m in metrics.values()))} | | |")
-    rec_head = " | ".join(f"R@{j} (n)" for j in RECOVERY_KS)
-    diag = [f"| benchmark | tool calls | code lines | errors | model tokens | plan share | "
-            f"prose words | grounded | {rec_head} | stop / length / tool_budget |",
+    diag = [_row("benchmark", "tool calls", "code lines", "errors", "model tokens", "plan share", "prose words",
+                 "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),
             "|---" * (9 + len(RECOVERY_KS)) + "|"]
     for bench, m in metrics.items():
-        rec = " | ".join(f"{_pct(r['value'])} ({r['count']})"
-                         for r in (m["recovery"][str(j)] for j in RECOVERY_KS))
-        fr = m["finish_reasons"]
-        ends = " / ".join(_pct(fr.get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
-        diag.append(f"| {bench} | {_num(m['tool_calls'])} | {_num(m['code_lines'])} | "
-                    f"{_num(m['exec_errors'])} | {_num(m['model_tokens'], 0)} | "
-                    f"{_pct(m['plan_share'])} | {_num(m['prose_words_after_plan'])} | "
-                    f"{_pct(m['code_grounded']['rate'])} | {rec} | {ends} |")
+        rec = [f"{_pct(r['value'])} ({r['count']})" for r in (m["recovery"][str(j)] for j in RECOVERY_KS)]
+        ends = " / ".join(_pct(m["finish_reasons"].get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
+        diag.append(_row(bench, _num(m["tool_calls"]), _num(m["code_lines"]), _num(m["exec_errors"]),
+                         _num(m["model_tokens"], 0), _pct(m["plan_share"]), _num(m["prose_words_after_plan"]),
+                         _pct(m["code_grounded"]["rate"]), *rec, ends))
     return "\n".join(acc) + "\n\n" + "\n".join(diag) + "\n"
 
 
@@ -333,7 +308,6 @@ def markdown_table(metrics: dict) -> str:
 FIELD_TYPES = {"id": str, "benchmark": str, "answer": str, "pred": (str, type(None)), "correct": bool,
                "sample_idx": int, "finish_reason": str, "completion": str, "blocks": list, "n_code_blocks": int,
                "n_exec_errors": int, "completion_tokens": int, "model_tokens": int, "plan_tokens": int}
-RANK_FILE = re.compile(r"samples\.rank\d+\.jsonl")   # a rank's samples while a run is in progress
 
 
 def load_samples(path: str, torn_tail_ok: bool = False) -> list:
@@ -351,14 +325,14 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
     for lineno, row in ex.read_jsonl(path, torn_tail_ok):
         missing = [k for k in FIELD_TYPES if k not in row]
         if missing:
-            raise InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            raise ex.InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         for k, t in FIELD_TYPES.items():
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
-                raise InputError(f"{path}:{lineno}: field '{k}' must be {getattr(t, '__name__', 'str or null')}, "
-                                 f"got {row[k]!r}")
+                want = getattr(t, "__name__", "str or null")
+                raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if key in seen:
-            raise InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
+            raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
         seen[key] = lineno
         rows.append(row)
     return rows
@@ -369,15 +343,13 @@ def merged_samples(out_dir: str) -> dict:
     samples.rank*.jsonl (in-progress rows of any earlier world size, a torn last line
     ignored). Returns {(benchmark, id, sample_idx): row}; the same key in two files must
     hold the same row. Raises InputError (see load_samples) or for conflicting rows."""
-    names = sorted(n for n in os.listdir(out_dir) if RANK_FILE.fullmatch(n)) if os.path.isdir(out_dir) else []
     rows, where = {}, {}
-    for name in ["samples.jsonl"] + names:
-        path = os.path.join(out_dir, name)
-        for row in load_samples(path, torn_tail_ok=name != "samples.jsonl") if os.path.exists(path) else []:
+    merged = os.path.join(out_dir, "samples.jsonl")
+    for path in [merged] + sorted(glob.glob(os.path.join(glob.escape(out_dir), "samples.rank*.jsonl"))):
+        for row in load_samples(path, torn_tail_ok=path != merged) if os.path.exists(path) else []:
             key = (row["benchmark"], row["id"], row["sample_idx"])
             if key in rows and rows[key] != row:
-                raise InputError(f"{path}: sample {key} differs from the one in {where[key]} "
-                                 "(two runs wrote to this folder?)")
+                raise ex.InputError(f"{path}: sample {key} differs from the one in {where[key]} (two runs wrote here?)")
             rows[key], where[key] = row, path
     return rows
 
@@ -395,45 +367,34 @@ SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "temperat
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, pass@k, maj@k, "
                           "code-grounded rate, Recovery@k and trajectory diagnostics. Launch with python or torchrun.")
+    demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
     # model and data
-    p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY,
-                   help="policy: HF model dir, .gguf file or packaged model name")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weights dtype (None: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file,
-                   default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")],
+    p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY, help="HF dir, .gguf or packaged name")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file, default=[demo],
                    help="problems files, one benchmark each (named by the file stem)")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
-    p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (created; a folder "
-                   "holding a killed run of the same command is resumed)")
+    p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")
     # sampling (paper defaults)
     p.add_argument("--k", type=ex.positive_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="top-k filter; 0 = off")
-    p.add_argument("--max-context", type=ex.positive_int, default=32768,
-                   help="tokens of prompt + completion (model and interpreter output) per sample")
-    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0,
-                   help="model-written tokens per sample; 0 = no limit beyond --max-context")
+    p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens of prompt + completion")
+    p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model-written tokens; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed code blocks per sample")
-    p.add_argument("--seed", type=int, default=0, help="base seed; each wave's rollout seed is "
-                   "derived from it, the benchmark, the wave's problem ids and k")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the waves' rollout seeds (wave_seed)")
     # throughput
-    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave "
-                   "of batch-size x k sequences shares the KV cache, per rank); lower it if out "
-                   "of memory. Part of what makes a sample reproducible (see waves)")
-    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0,
-                   help="code blocks run at once, per rank; 0 = CPUs / local ranks")
+    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
+                   "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
+    p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
-    p.add_argument("--stateful", action="store_true",
-                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
+    p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # no model
-    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from "
-                   "DIR/samples.jsonl (no model); writes DIR/metrics.json and DIR/metrics.md")
-    p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="after the tables, print the "
-                   "first N trajectories of samples.jsonl readably; 0 = none")
-    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): "
-                   "training curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
+    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from DIR/samples.jsonl (no model)")
+    p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): training "
+                   "curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
     return p.parse_args(argv)
 
 
@@ -450,7 +411,7 @@ def read_benchmarks(paths, limit: int) -> dict:
     for path in paths:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in benches:
-            raise InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
+            raise ex.InputError(f"{path}: a second file for benchmark '{name}' (file stems name benchmarks)")
         benches[name] = ex.read_problems(path)[:limit or None]
     return benches
 
@@ -458,9 +419,7 @@ def read_benchmarks(paths, limit: int) -> dict:
 def wave_seed(seed: int, benchmark: str, ids, k: int) -> int:
     """The rollout seed of one wave: a stable hash (not Python's salted hash()) of the base
     seed, the benchmark, the wave's problem ids in order, and k."""
-    import hashlib
-    h = hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()
-    return int(h[:15], 16)
+    return int(hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()[:15], 16)
 
 
 def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
@@ -490,7 +449,7 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     for key, row in done.items():
         q = problems.get(key[:2])
         if q is None or key[2] >= args.k or row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
-            raise InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
+            raise ex.InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
                              "(the data files changed?): use another --out")
 
 
@@ -502,11 +461,11 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
     path = os.path.join(out_dir, "samples.jsonl")
     rows = load_samples(path)
     if not rows:
-        raise InputError(f"{path}: no samples")
+        raise ex.InputError(f"{path}: no samples")
     metrics = summarize(rows)
     table = markdown_table(metrics)
-    write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
-    write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
+    ex.write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
+    ex.write_json_atomic(os.path.join(out_dir, "metrics.md"), table)
     print(table, flush=True)
     for bench, m in metrics.items():
         length, tools = (m["finish_reasons"].get(x, 0.0) for x in ("length", "tool_budget"))
@@ -517,54 +476,46 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# Reading a run: trajectories as text, curves and diagnostics as pictures
-
-
-def show_trajectories(out_dir: str, n: int) -> None:
-    """Print the first n samples of out_dir/samples.jsonl readably (executor.format_trajectory)."""
-    from executor import format_trajectory
-    for row in load_samples(os.path.join(out_dir, "samples.jsonl"))[:n]:
-        print(format_trajectory(row) + "\n", flush=True)
+# Reading a run: curves and diagnostics as pictures (--show prints trajectories: main)
 
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+        raise ex.InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    plt.switch_backend("Agg")  # files only, no display
+    plt.rcParams.update({"axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8})
     return plt
+
+
+def _save(fig, path: str, title: str) -> None:
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    _pyplot().close(fig)
 
 
 def plot_training_curves(rows, path: str, title: str) -> None:
     """Training curves like the paper's Fig. 3 from metrics.jsonl rows (grpo.py), one panel
     each per step: reward and accuracy; model tokens per sample (response length); tool
     calls and execution errors per sample; share of groups with zero reward variance."""
-    plt = _pyplot()
     steps = [m["step"] for m in rows]
     panels = [("reward / accuracy", [("reward mean", "reward_mean"), ("accuracy", "accuracy")]),
               ("model tokens per sample", [("model tokens", "model_tokens_per_sample")]),
               ("tool calls per sample", [("tool calls", "tool_calls_per_sample"),
                                          ("execution errors", "exec_errors_per_sample")]),
               ("zero-variance groups (no signal)", [("share of groups", "zero_var_share")])]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    fig, axes = _pyplot().subplots(1, 4, figsize=(14, 3.2))
     for ax, (name, series) in zip(axes, panels):
         for j, (label, key) in enumerate(series):  # the second dashed: reward = accuracy by default
             ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("GRPO step")
-        if len(steps) <= 10:
-            ax.set_xticks(steps)
-        ax.grid(alpha=0.3)
+        ax.set(title=name, xlabel="GRPO step", **({"xticks": steps} if len(steps) <= 10 else {}))
         if len(series) > 1:
-            ax.legend(fontsize=8)
+            ax.legend()
     for ax in (axes[0], axes[3]):
         ax.set_ylim(-0.05, 1.05)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def plot_diagnostics(records, path: str, title: str) -> None:
@@ -572,9 +523,8 @@ def plot_diagnostics(records, path: str, title: str) -> None:
     benchmark: the distribution of code lines per trajectory, Recovery@k (k = 1..5;
     accuracy after k failed first blocks, with the count of such samples) and the
     code-grounded rate (share of answers that appear in an execution output)."""
-    plt = _pyplot()
     metrics = summarize(records)
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.4))
+    fig, (a, b, c) = _pyplot().subplots(1, 3, figsize=(14, 3.4))
     width = 0.8 / len(metrics)
     for i, (bench, m) in enumerate(metrics.items()):
         lines = [code_lines(r) for r in records if r["benchmark"] == bench]
@@ -582,14 +532,10 @@ def plot_diagnostics(records, path: str, title: str) -> None:
                linewidth=1.5, label=f"{bench} (mean {m['code_lines']:.1f})")
         rec = [m["recovery"][str(k)] for k in RECOVERY_KS]
         xs = [k + (i - (len(metrics) - 1) / 2) * width for k in RECOVERY_KS]
-        bars = b.bar(xs, [0 if r["value"] is None else 100 * r["value"] for r in rec], width, label=bench)
-        for bar, r in zip(bars, rec):
-            b.annotate(f"n={r['count']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                       ha="center", va="bottom", fontsize=7)
-        rate = m["code_grounded"]["rate"]
-        c.bar(i, 0 if rate is None else 100 * rate, 0.6)
-        c.annotate(f"{m['code_grounded']['count']} answered", (i, 0 if rate is None else 100 * rate),
-                   ha="center", va="bottom", fontsize=8)
+        bars = b.bar(xs, [100 * (r["value"] or 0) for r in rec], width, label=bench)
+        b.bar_label(bars, [f"n={r['count']}" for r in rec], fontsize=7)
+        bar = c.bar(i, 100 * (m["code_grounded"]["rate"] or 0), 0.6)
+        c.bar_label(bar, [f"{m['code_grounded']['count']} answered"], fontsize=8)
     if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
         b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
     a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
@@ -597,38 +543,29 @@ def plot_diagnostics(records, path: str, title: str) -> None:
           xticks=list(RECOVERY_KS), ylim=(0, 110))
     c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
           xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
-    for ax in (a, b, c):
-        ax.title.set_fontsize(10)
-        ax.grid(alpha=0.3)
-    a.legend(fontsize=8)
-    b.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    a.legend()
+    b.legend()
+    _save(fig, path, title)
 
 
 def plot_run(run_dir: str) -> list:
     """The PNGs for one run folder: training_curves.png from metrics.jsonl (a grpo.py run)
     and diagnostics.png from samples.jsonl (an evaluation), whichever it holds. Returns
     the paths written. Raises InputError when it holds neither or matplotlib is missing."""
-    from executor import read_jsonl_tolerant
     written = []
-    metrics_path, samples_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "samples.jsonl")
-    if os.path.isfile(metrics_path):
-        rows = read_jsonl_tolerant(metrics_path)
-        if not rows:
-            raise InputError(f"{metrics_path}: no steps")
-        written.append(os.path.join(run_dir, "training_curves.png"))
-        plot_training_curves(rows, written[-1], f"GRPO training, {run_dir} ({len(rows)} steps)")
-    if os.path.isfile(samples_path):
-        rows = load_samples(samples_path)
-        if not rows:
-            raise InputError(f"{samples_path}: no samples")
-        written.append(os.path.join(run_dir, "diagnostics.png"))
-        plot_diagnostics(rows, written[-1], f"THINC diagnostics, {run_dir} ({len(rows)} samples)")
+    for name, read, unit, png, plot, what in (
+            ("metrics.jsonl", ex.read_jsonl_tolerant, "steps", "training_curves.png", plot_training_curves,
+             "GRPO training"),
+            ("samples.jsonl", load_samples, "samples", "diagnostics.png", plot_diagnostics, "THINC diagnostics")):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            rows = read(path)
+            if not rows:
+                raise ex.InputError(f"{path}: no {unit}")
+            written.append(os.path.join(run_dir, png))
+            plot(rows, written[-1], f"{what}, {run_dir} ({len(rows)} {unit})")
     if not written:
-        raise InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
+        raise ex.InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
     return written
 
 
@@ -657,21 +594,19 @@ def run(args) -> None:
     # rollout time differences)
     rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
-        todo = [w for i, w in enumerate(waves) if i % world == rank
-                and any(key not in done for key in wave_keys(w, args.k))]
-        n_items = sum(len(qs) for qs in benches.values()) * args.k
-        print0(f"{len(benches)} benchmarks, {n_items // args.k} problems x k {args.k} = {n_items} samples "
-               f"in {len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs "
-               f"waves w % {world} == r); {len(done)} samples already in {args.out}")
+        todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
+        n_problems = sum(len(qs) for qs in benches.values())
+        print0(f"{len(benches)} benchmarks, {n_problems} problems x k {args.k} = {n_problems * args.k} samples in "
+               f"{len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs waves "
+               f"w % {world} == r); {len(done)} samples already in {args.out}")
+        os.makedirs(args.out, exist_ok=True)
         if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
         if todo:
             my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
-            os.makedirs(args.out, exist_ok=True)
             ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # every prompt is measured before any forward: one with no room for a token under
@@ -681,31 +616,28 @@ def run(args) -> None:
                        for w in waves for q in w["problems"]}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
-                raise InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
-                                 f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
-                                 "raise it, or remove those problems")
-            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0))
-                                                  // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
+                                    f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
+                                    "raise it, or remove those problems")
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // local_ranks)
             with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
-                    t0 = time.time()
-                    wave_prompts = [prompts[w["benchmark"], q["id"]] for q in w["problems"]]
+                    t0, ids = time.time(), [q["id"] for q in w["problems"]]
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
                     samples = ex.rollout(
-                        model, tok, wave_prompts, sandbox, n=args.k, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
+                        model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
                         max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(), stateful=args.stateful)
-                    ids = [q["id"] for q in w["problems"]]
                     # samples[n] is work item n of the wave (problem-major); its seed is the call's
                     rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
                              "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
                             for n, key in enumerate(wave_keys(w, args.k)) if key not in done]
                     ex.append_jsonl(my_file, rows)
                     print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
-                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s",
-                          flush=True)
+                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s", flush=True)
 
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
@@ -716,11 +648,10 @@ def run(args) -> None:
             rows = merged_samples(args.out)
             keys = [key for w in waves for key in wave_keys(w, args.k)]
             assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
-            text = "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys)
-            write_json_atomic(os.path.join(args.out, "samples.jsonl"), text)
-            for name in os.listdir(args.out):
-                if RANK_FILE.fullmatch(name):
-                    os.remove(os.path.join(args.out, name))
+            ex.write_json_atomic(os.path.join(args.out, "samples.jsonl"),
+                              "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys))
+            for path in glob.glob(os.path.join(glob.escape(args.out), "samples.rank*.jsonl")):
+                os.remove(path)
             write_report(args.out, {"stage": "evaluate", **vars(args)})
     finally:
         cleanup_distributed()
@@ -730,15 +661,15 @@ def main(argv=None) -> None:
     """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
     if args.plot:
-        for run_dir in args.plot:
-            for path in plot_run(run_dir):
-                print(f"wrote {path}")
+        for path in (path for run_dir in args.plot for path in plot_run(run_dir)):
+            print(f"wrote {path}")
     elif args.from_samples is not None:
         write_report(args.from_samples, {"from_samples": args.from_samples})
     else:
         run(args)
-    if args.show and not args.plot:
-        show_trajectories(args.from_samples or args.out, args.show)
+    if args.show and not args.plot:   # the first N samples, readably
+        for row in load_samples(os.path.join(args.from_samples or args.out, "samples.jsonl"))[:args.show]:
+            print(ex.format_trajectory(row) + "\n", flush=True)
 
 
 def interrupted() -> str:
