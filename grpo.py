@@ -50,78 +50,6 @@ from tqdm import tqdm
 import executor
 import sft
 
-# -----------------------------------------------------------------------------
-# Config
-
-
-def parse_args(argv=None):
-    p = executor.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient on "
-                                "code-interleaved rollouts (interpreter outputs masked).")
-    # model and data
-    p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
-                   help="policy to start from: HF model dir, .gguf file or packaged model name; ignored with --resume")
-    p.add_argument("--data", type=executor.input_file,
-                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
-                   help="problems JSONL: id, problem, answer; a problem whose prompt leaves no room under "
-                   "--max-context is skipped and counted")
-    p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
-    p.add_argument("--resume", default=None,
-                   help="checkpoint dir (out/latest or out/step_N) to continue from: weights, optimizer, "
-                   "step counter, data position, RNG; the flags given now (budgets, --steps) apply")
-    p.add_argument("--reset-optimizer", action="store_true",
-                   help="with --resume: start the optimizer and data order fresh (weights and step kept)")
-    p.add_argument("--drop-solved", type=executor.input_file, default=None,
-                   help="pass-rate JSONL of an earlier stage: drop prompts whose latest record is G/G")
-    # GRPO
-    p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step to run (a global counter that "
-                   "--resume continues): stage 1 280, stage 2 400, stage 3 >= 500")
-    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts per step, across all ranks")
-    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8,
-                   help="G: samples per prompt (>= 2: the advantage is relative to the group)")
-    p.add_argument("--updates-per-step", type=executor.positive_int, default=1,
-                   help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
-    p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
-    p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
-    p.add_argument("--dynamic-sampling", action="store_true",
-                   help="draw more prompts until --prompts-per-step groups have reward variance (DAPO)")
-    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4,
-                   help="with --dynamic-sampling: rollout rounds per step, at most")
-    # rollout
-    p.add_argument("--temperature", type=executor.positive_float, default=1.0,
-                   help="sampling temperature, also used in the loss (> 0: it divides the logits)")
-    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
-    p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens per sample, prompt + completion")
-    p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = only --max-context")
-    p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4,
-                   help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
-    p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block, wall clock")
-    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes a rank; 0 = CPUs/local ranks")
-    p.add_argument("--stateful", action="store_true",
-                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
-    # optimisation
-    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
-    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
-    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head / log-softmax chunk")
-    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--shard-optimizer", action="store_true",
-                   help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
-    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
-    # run
-    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps between writes of out/latest (a crash "
-                   "loses at most this many steps); 0 = only at the end")
-    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept out/step_N copies; 0 = none")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep AdamW's state in checkpoints (2 x the fp32 weights) so --resume continues "
-                        "exactly; --no-save-optimizer writes weights, step, data order and RNG only")
-    return p.parse_args(argv)
-
-
 @dataclass
 class Dist:
     """Where this process sits (from `sft.setup_distributed`)."""
@@ -172,11 +100,7 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
 def sync_policy(model, policy):
     """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
     calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
-    sd = sft.full_state_dict(model, cpu_offload=False)
-    with torch.no_grad():
-        for name, t in policy.state_dict().items():
-            if name in sd:
-                t.copy_(sd[name])
+    policy.load_state_dict(sft.full_state_dict(model, cpu_offload=False), strict=False)
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +139,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         Example: [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5].
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
-    if group_size == 1:
+    if group_size == 1:  # (std of one value would warn)
         return torch.zeros(rewards.shape, dtype=torch.float32)
     r = rewards.to(torch.float64).reshape(-1, group_size)  # (N/G, G)
     const = constant_groups(rewards, group_size)[:, None]  # (N/G, 1)
@@ -252,31 +176,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             regions where the gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of
             KL(pi_old || pi)), entropy (if given); and tokens (the count).
     """
-    assert logprobs.dim() == 2 and logprobs.shape == old_logprobs.shape == loss_mask.shape, \
-        (logprobs.shape, old_logprobs.shape, loss_mask.shape)
-    assert advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0], (advantages.shape, logprobs.shape)
+    assert logprobs.shape == old_logprobs.shape == loss_mask.shape and advantages.shape == logprobs.shape[:1]
     mask = loss_mask.bool()  # (B, T)
     old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs.detach())  # (B, T), NaN-free
     log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1), broadcast over T on purpose
-    surr = ratio * adv  # (B, T)
-    surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
-    per_token = torch.where(mask, -torch.minimum(surr, surr_clipped), torch.zeros_like(surr))  # (B, T)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
     n_tokens = mask.sum()
-    if normalizer is None:
-        normalizer = n_tokens.clamp(min=1)
-    loss = per_token.sum() / normalizer
+    loss = torch.where(mask, -surr, 0.0).sum() / (n_tokens.clamp(min=1) if normalizer is None else normalizer)
 
     with torch.no_grad():
         denom = n_tokens.clamp(min=1).float()
         low = mask & (ratio < 1.0 - eps_low) & (adv < 0)  # (B, T)
         high = mask & (ratio > 1.0 + eps_high) & (adv > 0)  # (B, T)
-        k3 = torch.where(mask, (ratio - 1.0) - log_ratio, torch.zeros_like(ratio)).float()  # (B, T)
-        metrics = {"clip_frac_low": low.sum().float() / denom, "clip_frac_high": high.sum().float() / denom,
+        k3 = torch.where(mask, (ratio - 1.0) - log_ratio, 0.0).float()  # (B, T)
+        metrics = {"clip_frac_low": low.sum() / denom, "clip_frac_high": high.sum() / denom,
                    "approx_kl": k3.sum() / denom, "tokens": n_tokens.float()}
         if entropy is not None:
-            metrics["entropy"] = torch.where(mask, entropy.float(), torch.zeros_like(k3)).sum() / denom
+            metrics["entropy"] = torch.where(mask, entropy.float(), 0.0).sum() / denom
     return loss, metrics
 
 
@@ -297,12 +215,10 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
     """
     assert all(len(s.ids) == len(s.roles) == len(s.logprobs) for s in samples), "ids, roles and logprobs must align"
     mb = sft.collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
-    B, T = mb["input_ids"].shape
-    mb["sampler_logprobs"] = torch.full((B, T), float("nan"))  # (B, T)
-    for b, s in enumerate(samples):
-        mb["sampler_logprobs"][b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    mb["sampler_logprobs"] = torch.nn.utils.rnn.pad_sequence(  # (B, T)
+        [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], batch_first=True, padding_value=float("nan"))
     mb["loss_mask"] = mb["roles"] == executor.ROLE_MODEL  # (B, T)
-    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(B)  # (B,)
+    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)  # (B,)
     return mb
 
 
@@ -349,8 +265,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     K = args.updates_per_step
     # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
     minis = []
-    for chunk in split_even(list(range(len(samples))), K):
-        chunk = sorted(chunk, key=lambda i: -len(samples[i].ids))
+    for chunk in torch.arange(len(samples)).tensor_split(K):  # sizes differ by at most one
+        chunk = sorted(chunk.tolist(), key=lambda i: -len(samples[i].ids))
         cuts = [chunk[j:j + args.micro_batch] for j in range(0, len(chunk), args.micro_batch)]
         minis.append([make_batch([samples[i] for i in c], advantages[c], pad_id) for c in cuts])
     # 2) global sizes, fixed before any micro-step: the loss tokens of each mini-batch over
@@ -396,13 +312,6 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm, "optimizer_steps": steps}
 
 
-def split_even(items, k: int) -> list:
-    """k contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    q, r = divmod(len(items), k)
-    bounds = [j * q + min(j, r) for j in range(k + 1)]
-    return [items[bounds[j]:bounds[j + 1]] for j in range(k)]
-
-
 # -----------------------------------------------------------------------------
 # One GRPO step
 
@@ -435,24 +344,20 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         samples, secs = collect_rollouts(policy, tokenizer, problems, sandbox, args,
                                          mix_seed(args.seed, step, d.rank, len(rounds)), rollout_fn)
         rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
-        adv = group_advantages(rewards, G)  # (N,)
-        for g, const in enumerate(constant_groups(rewards, G).tolist()):
-            if not const:
-                kept += samples[g * G:(g + 1) * G]
-                kept_adv.append(adv[g * G:(g + 1) * G])
+        signal = ~constant_groups(rewards, G).repeat_interleave(G)  # (N,)
+        kept += [s for s, keep in zip(samples, signal.tolist()) if keep]
+        kept_adv.append(group_advantages(rewards, G)[signal])
         rounds.append((problems, samples, rewards))
         t_exec += secs
-        if not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds:
+        # every rank takes the same branch: the first two tests agree, the count is global
+        if (not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds
+                or int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step):
             break
-        if int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step:
-            break  # every rank sees the same global count
     t_rollout = time.perf_counter() - t_start - t_exec
 
     # 2) the update, on the kept groups only
     t0 = time.perf_counter()
-    advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id, progress)
+    upd = update_policy(model, optimizer, kept, torch.cat(kept_adv), args, d, tokenizer.pad_token_id or 0, progress)
     times = [t_rollout, t_exec, time.perf_counter() - t0]
     return step_metrics(step, rounds, upd, times, G, optimizer, d)
 
@@ -638,6 +543,64 @@ def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
         "  latest/           the trained policy (Hugging Face directory) and trainer state",
         f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = executor.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient, outputs masked")
+    # model and data
+    p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
+                   help="policy to start from: HF dir, .gguf file or packaged model name; ignored with --resume")
+    p.add_argument("--data", type=executor.input_file,
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
+                   help="problems JSONL: id, problem, answer; a prompt with no room under --max-context is skipped")
+    p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
+    p.add_argument("--resume", help="checkpoint dir (out/latest, out/step_N) to continue; the flags given now apply")
+    p.add_argument("--reset-optimizer", action="store_true", help="with --resume: fresh optimizer and data order")
+    p.add_argument("--drop-solved", type=executor.input_file, help="pass-rate JSONL: drop prompts last solved G/G")
+    # GRPO
+    p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
+    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts a step, all ranks")
+    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
+    p.add_argument("--updates-per-step", type=executor.positive_int, default=1,
+                   help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
+    p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
+    p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
+    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: draw prompts until enough groups have signal")
+    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4, help="--dynamic-sampling's cap")
+    # rollout
+    p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="of sampling and the loss")
+    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
+    p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
+    p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
+    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4,
+                   help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
+    p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
+    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
+    p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
+    # optimisation
+    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head chunk")
+    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--shard-optimizer", action="store_true", help="with DDP: ZeRO-1, AdamW state sharded over ranks")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
+    # run
+    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
+    p.add_argument("--save-every", type=executor.nonneg_int, default=1,
+                   help="steps between writes of out/latest (a crash loses at most this many); 0 = only at the end")
+    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between out/step_N copies; 0 = none")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="checkpoint AdamW's state: --resume continues exactly (no: weights, step, data, RNG only)")
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
