@@ -66,10 +66,13 @@ class Dist:
 def mix_seed(*xs) -> int:
     """A deterministic seed from integers (step, rank, round, ...): resuming at a step
     reproduces its rollouts without saving generator states."""
-    h = 0
-    for x in xs:
-        h = (h * 1_000_003 + int(x) + 1) % (2 ** 61 - 1)
-    return h
+    return random.Random(repr(xs)).getrandbits(61)  # a str seed is hashed with SHA-512, stable across runs
+
+
+def prompt_ids(tokenizer, problem, args) -> list:
+    """The problem's prompt token ids, under --stateful's system prompt or the default one."""
+    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
+    return executor.build_prompt_ids(tokenizer, problem["problem"], system=system)
 
 
 def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
@@ -77,10 +80,9 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
     --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
     stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
     stats = {}
-    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
-    prompts = [executor.build_prompt_ids(tokenizer, p["problem"], system=system) for p in problems]
+    prompts = [prompt_ids(tokenizer, p, args) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave = args.rollout_prompts or max(1, len(prompts))
+    wave = args.rollout_prompts or len(prompts)
     G = args.group_size
     out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
@@ -245,7 +247,7 @@ def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
 
 
 TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # policy_loss's per-token metrics
-TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "logprob_diff")
+TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "sampler_logprob_gap")  # the gap: |trainer - sampler| logprob
 
 
 def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0, progress=None) -> dict:
@@ -285,7 +287,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
     acc = dict.fromkeys(TRAIN_SUMS, 0.0)
-    grad_norm, steps = 0.0, 0
+    grad_norm = 0.0
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
@@ -306,10 +308,10 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 acc[name] += met[name].double() * met["tokens"]
             acc["loss_tokens"] += met["tokens"].double()
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            acc["logprob_diff"] += torch.where(mask, gap, 0.0).sum().double()
+            acc["sampler_logprob_gap"] += torch.where(mask, gap, 0.0).sum().double()
         grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
-        steps += 1
-    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm, "optimizer_steps": steps}
+    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm,
+            "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
 
 
 # -----------------------------------------------------------------------------
@@ -383,19 +385,17 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     misleading 0). Returns (metrics, records) as `grpo_step`."""
     S, records = dict.fromkeys(ROLLOUT_SUMS, 0.0), []
     for problems, samples, rewards in rounds:
-        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)], dtype=torch.long)
-        for prob, c, r in zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
+        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)]).reshape(-1, G)
+        for prob, c, r in zip(problems, correct.sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
             records.append({"step": step, "id": prob["id"], "n": G, "correct": c, "reward": r})
-        S["groups"] += len(problems)
         S["zero_var_groups"] += int(constant_groups(rewards, G).sum())
-        S["reward"] += float(rewards.sum())
-        S["correct"] += int(correct.sum())
         for s in samples:
-            S["samples"] += 1
             S["model_tokens"] += s.n_model_tokens
             S["tool_calls"] += len(s.blocks or [])
             S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
             S["finish_" + s.finish_reason] += 1  # a KeyError for an unknown reason: keys must match across ranks
+    S.update(groups=len(records), samples=G * len(records), correct=sum(r["correct"] for r in records),
+             reward=sum(r["reward"] for r in records))  # this rank's records: not yet gathered
     sums = torch.tensor([*S.values(), *(upd[k] for k in TRAIN_SUMS)], dtype=torch.float64, device=d.device)
     tot = dict(zip([*S, *TRAIN_SUMS], sft.all_reduce(sums).tolist()))
     times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
@@ -406,8 +406,7 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     nt = tot["loss_tokens"]
     metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt)}
     metrics.update({name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()})
-    metrics.update({name: tot[name] / nt if nt else None for name in TOKEN_MEANS})
-    metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if nt else None  # |trainer - sampler| per token
+    metrics.update({name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:]})  # means per loss token
     metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if nt else None
     metrics.update(optimizer_steps=upd["optimizer_steps"], sampling_rounds=len(rounds),
                    lr=optimizer.param_groups[0]["lr"], time_rollout=times[0], time_exec=times[1], time_train=times[2])
@@ -417,12 +416,10 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
 def budget_warning(metrics) -> str | None:
     """A loud message when most samples end on a budget (rewards silently become 0)."""
     length, tools = metrics["finish_length_share"], metrics["finish_tool_budget_share"]
-    if length + tools <= 0.5:
-        return None
-    return (f"WARNING step {metrics['step']}: {length:.0%} of samples hit the length budget "
-            f"(--max-context / --max-new-tokens) and "
-            f"{tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples score 0 and "
-            "training learns little. Raise the budgets or check the prompt / stop tokens.")
+    if length + tools > 0.5:
+        return (f"WARNING step {metrics['step']}: {length:.0%} of samples hit the length budget (--max-context / "
+                f"--max-new-tokens) and {tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples "
+                "score 0 and training learns little. Raise the budgets or check the prompt / stop tokens.")
 
 
 # -----------------------------------------------------------------------------
@@ -441,9 +438,9 @@ def solved_ids(path: str) -> set:
 
 class PromptStream:
     """The order problems are drawn in: a permutation of the list seeded by (seed, epoch).
-    Every rank walks the same order and takes its own contiguous slice of each global
-    batch, so rank shards are disjoint. State (epoch, offset, fingerprint of the id list)
-    goes into checkpoints."""
+    Every rank walks the same order and takes every world_size-th problem of each global
+    batch, from its rank on, so rank shards are disjoint. State (epoch, offset, fingerprint
+    of the id list) goes into checkpoints."""
 
     def __init__(self, problems, seed: int, rank: int = 0, world_size: int = 1):
         assert problems, "no problems to draw from"
@@ -453,21 +450,18 @@ class PromptStream:
 
     def _start(self, epoch: int, offset: int):
         self.epoch, self.offset = epoch, offset
-        self._order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+        self._order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.problems)), len(self.problems))
 
     def next(self, n_global: int) -> list:
         """This rank's share (n_global / world_size problems) of the next global batch."""
         assert n_global % self.world == 0, (n_global, self.world)
         batch = []
-        while len(batch) < n_global:
+        for _ in range(n_global):
             if self.offset == len(self._order):
                 self._start(self.epoch + 1, 0)
-            take = min(n_global - len(batch), len(self._order) - self.offset)
-            batch += self._order[self.offset:self.offset + take]
-            self.offset += take
-        per = n_global // self.world
-        return [self.problems[i] for i in batch[self.rank * per:(self.rank + 1) * per]]
+            batch.append(self.problems[self._order[self.offset]])
+            self.offset += 1
+        return batch[self.rank::self.world]
 
     def state_dict(self):
         return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
@@ -513,11 +507,11 @@ def step_table(rows) -> str:
             "exec errors / sample", "loss tokens", "grad norm", "rollout s", "training s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
-        signal = f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}"
-        grad = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}"
-        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}", signal,
+        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}",
+                 f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}",
                  f"{m['model_tokens_per_sample']:.0f}", f"{m['tool_calls_per_sample']:.2f}",
-                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"], grad,
+                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"],
+                 "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}",
                  f"{m['time_rollout'] + m['time_exec']:.0f}", f"{m['time_train']:.0f}")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -527,18 +521,17 @@ def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
     """What a run ends with (rank 0): one sampled trajectory of its last step in readable
     form (a correct one with code if any, else the one with the most blocks), the per-step
     table of metrics.jsonl, and where the files are."""
-    by_prompt = {tuple(executor.build_prompt_ids(tokenizer, p["problem"])): p for p in problems}
-    pairs = [(s, by_prompt[tuple(s.prompt_ids)]) for s in samples if tuple(s.prompt_ids) in by_prompt]
-    s, prob = max(pairs, key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
-                                         len(sp[0].blocks)))
+    by_prompt = {tuple(prompt_ids(tokenizer, p, args)): p for p in problems}
+    s, prob = max(((s, by_prompt[tuple(s.prompt_ids)]) for s in samples),
+                  key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
+                                  len(sp[0].blocks)))
     record = executor.sample_record(prob, s)
     record["reward"] = float(reward_fn(s, prob))
     rows = executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))
-    out = os.path.abspath(args.out)
     return "\n".join([
         "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
         "Per step (metrics.jsonl):", "", step_table(rows), "",
-        f"Files in {out}:",
+        f"Files in {os.path.abspath(args.out)}:",
         "  metrics.jsonl     one line per step (the table above and more)",
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
         "  latest/           the trained policy (Hugging Face directory) and trainer state",
@@ -596,7 +589,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
     p.add_argument("--save-every", type=executor.nonneg_int, default=1,
                    help="steps between writes of out/latest (a crash loses at most this many); 0 = only at the end")
-    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between out/step_N copies; 0 = none")
+    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept step_N; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="checkpoint AdamW's state: --resume continues exactly (no: weights, step, data, RNG only)")
@@ -614,13 +607,10 @@ def main(argv=None, reward_fn=None):
     rank, _, world, device = sft.setup_distributed(args.seed)
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
-    # derived sizes
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
-    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} per step over {world} ranks; "
-               f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
-               ("on-policy: ratio exactly 1, clip fractions 0" if args.updates_per_step == 1 else
-                "clipping active after the first update"))
+    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} a step over {world} ranks, micro-batch "
+               f"{args.micro_batch}, {args.updates_per_step} update(s) a step (1: on-policy, the ratio is exactly 1)")
 
     # 1) data, read before anything is written (bad input changes no file)
     problems = executor.read_problems(args.data)
@@ -638,18 +628,17 @@ def main(argv=None, reward_fn=None):
     # prompts are measured before any forward: one with no room for a token under --max-context
     # is skipped and counted, never prefilled (every rank filters the same list)
     n0 = len(problems)
-    problems = [p for p in problems if len(executor.build_prompt_ids(tokenizer, p["problem"])) < args.max_context]
+    problems = [p for p in problems if len(prompt_ids(tokenizer, p, args)) < args.max_context]
     if not problems:
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
     stream = PromptStream(problems, args.seed, rank, world)
-    roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
-    # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
-    # module itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
-    share = not args.fsdp and roll_dtype == torch.float32
-    policy = None if share else copy.deepcopy(lm).to(device=device, dtype=roll_dtype).requires_grad_(False)
+    # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
+    # itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
+    share = not args.fsdp and d.autocast_dtype is None
+    policy = None if share else copy.deepcopy(lm).to(device, d.autocast_dtype or torch.float32).requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
@@ -660,25 +649,24 @@ def main(argv=None, reward_fn=None):
         step = st["step"]
         if not args.reset_optimizer:
             stream.load_state_dict(st["data"])
-        fresh = " (optimizer and data order fresh)" if args.reset_optimizer else ""
-        sft.print0(f"resumed from {args.resume} at step {step}{fresh}")
+        sft.print0(f"resumed from {args.resume} at step {step}"
+                   + (" (optimizer and data order fresh)" if args.reset_optimizer else ""))
         if rank == 0:
             for name in ("metrics.jsonl", "pass_rates.jsonl"):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
-    def save(name):
-        state = {"step": step, "data": stream.state_dict()}
-        path = os.path.join(args.out, name)
-        t0 = time.perf_counter()
-        if show_bars:
-            tqdm.write(f"step {step}: writing checkpoint {path} ...")
-        sft.save_checkpoint(path, model, tokenizer, vars(args), state, optimizer if args.save_optimizer else None)
-        if show_bars:
-            tqdm.write(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
-
     # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout for the summary
-    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     show_bars = rank == 0 and not args.no_progress
+    say = tqdm.write if show_bars else lambda text: None
+
+    def save(name):
+        path, t0 = os.path.join(args.out, name), time.perf_counter()
+        say(f"step {step}: writing checkpoint {path} ...")
+        sft.save_checkpoint(path, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
+                            optimizer if args.save_optimizer else None)
+        say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
+
+    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
     last = {}
 
@@ -691,17 +679,18 @@ def main(argv=None, reward_fn=None):
             step += 1
             if not share:
                 sync_policy(model, policy)
-            last["bar"] = executor.RolloutProgress(args.prompts_per_step // world * args.group_size, f"step {step} rollout", not show_bars)
+            n_samples = args.prompts_per_step // world * args.group_size
+            last["bar"] = executor.RolloutProgress(n_samples, f"step {step} rollout", not show_bars)
             train_bar = MicroBatchBar(f"step {step} training", not show_bars)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,
                                          reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
             last["bar"].close()
             train_bar.close()
+            warn = budget_warning(metrics)
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
-                warn = budget_warning(metrics)
                 if warn:
                     print("\n" + "!" * 80 + "\n" + warn + "\n" + "!" * 80, file=sys.stderr, flush=True)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
