@@ -17,15 +17,24 @@ place to change for a reward ablation (or pass `reward_fn` to `main` / `grpo_ste
 logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
 
 Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
-one GRPO step; then bookkeeping (metrics), the prompt stream and the training loop.
+one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run summary, the
+command line and the training loop.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
-optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
-(a line per prompt per step: step, id, n, correct, reward), args.json.
+optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per
+step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, reward), args.json.
 
     python grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
     torchrun --standalone --nproc_per_node=8 grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
+
+--steps is a global counter that --resume continues: the paper's stages end at steps 280,
+400 and >= 500 (stage 2 and 3 with --resume and --drop-solved of the earlier stage's
+pass_rates.jsonl). --resume restores weights, optimizer, step, data position and RNG; the
+flags given now (budgets, --steps) apply. A prompt with no room for a token under
+--max-context is skipped and counted. --temperature (> 0) also divides the logits in the
+loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
+(executor.Sandbox.run).
 
 Departures from the paper (which does not describe these details):
   1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged);
@@ -66,7 +75,10 @@ class Dist:
 def mix_seed(*xs) -> int:
     """A deterministic seed from integers (step, rank, round, ...): resuming at a step
     reproduces its rollouts without saving generator states."""
-    return random.Random(repr(xs)).getrandbits(61)  # a str seed is hashed with SHA-512, stable across runs
+    h = 0
+    for x in xs:
+        h = (h * 1_000_003 + int(x) + 1) % (2 ** 61 - 1)
+    return h
 
 
 def prompt_ids(tokenizer, problem, args) -> list:
