@@ -34,7 +34,11 @@ pass_rates.jsonl). --resume restores weights, optimizer, step, data position and
 flags given now (budgets, --steps) apply. A prompt with no room for a token under
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
-(executor.Sandbox.run).
+(executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout
+batch; 1 is on-policy (ratio exactly 1). --rollout-prompts: prompts a rollout wave per rank,
+whose x G sequences share the KV cache. --save-every: steps between writes of out/latest
+(a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
+data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
 Departures from the paper (which does not describe these details):
   1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged);
@@ -349,7 +353,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     """
     reward_fn = reward_fn or answer_reward
     G = args.group_size
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     # 1) rollouts -> rewards -> group advantages; groups with equal rewards are dropped.
     #    With --dynamic-sampling, more rounds until the step has enough groups with signal.
     kept, kept_adv, rounds, t_exec = [], [], [], 0.0
@@ -367,12 +371,11 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         if (not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds
                 or int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step):
             break
-    t_rollout = time.perf_counter() - t_start - t_exec
 
     # 2) the update, on the kept groups only
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     upd = update_policy(model, optimizer, kept, torch.cat(kept_adv), args, d, tokenizer.pad_token_id or 0, progress)
-    times = [t_rollout, t_exec, time.perf_counter() - t0]
+    times = [t1 - t0 - t_exec, t_exec, time.perf_counter() - t1]  # rollout (less the stalls), exec stalls, training
     return step_metrics(step, rounds, upd, times, G, optimizer, d)
 
 
@@ -570,8 +573,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
     p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts a step, all ranks")
     p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
-    p.add_argument("--updates-per-step", type=executor.positive_int, default=1,
-                   help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
+    p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="mini-batches; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: draw prompts until enough groups have signal")
@@ -582,8 +584,7 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4,
-                   help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
+    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4, help="prompts a wave a rank; 0 = all")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
@@ -599,12 +600,10 @@ def parse_args(argv=None):
     p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
     # run
     p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    p.add_argument("--save-every", type=executor.nonneg_int, default=1,
-                   help="steps between writes of out/latest (a crash loses at most this many); 0 = only at the end")
+    p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
     p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept step_N; 0 = none")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                   help="checkpoint AdamW's state: --resume continues exactly (no: weights, step, data, RNG only)")
+    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
     return p.parse_args(argv)
 
 
@@ -699,10 +698,10 @@ def main(argv=None, reward_fn=None):
                                          reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
             last["bar"].close()
             train_bar.close()
-            warn = budget_warning(metrics)
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
+                warn = budget_warning(metrics)
                 if warn:
                     print("\n" + "!" * 80 + "\n" + warn + "\n" + "!" * 80, file=sys.stderr, flush=True)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
