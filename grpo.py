@@ -98,8 +98,7 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
     stats = {}
     prompts = [prompt_ids(tokenizer, p, args) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave = args.rollout_prompts or len(prompts)
-    G = args.group_size
+    wave, G = args.rollout_prompts or len(prompts), args.group_size
     out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
@@ -540,12 +539,11 @@ def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
     s, prob = max(((s, by_prompt[tuple(s.prompt_ids)]) for s in samples),
                   key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
                                   len(sp[0].blocks)))
-    record = executor.sample_record(prob, s)
-    record["reward"] = float(reward_fn(s, prob))
-    rows = executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))
+    record = dict(executor.sample_record(prob, s), reward=float(reward_fn(s, prob)))
     return "\n".join([
         "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
-        "Per step (metrics.jsonl):", "", step_table(rows), "",
+        "Per step (metrics.jsonl):", "",
+        step_table(executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))), "",
         f"Files in {os.path.abspath(args.out)}:",
         "  metrics.jsonl     one line per step (the table above and more)",
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
