@@ -17,15 +17,28 @@ place to change for a reward ablation (or pass `reward_fn` to `main` / `grpo_ste
 logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
 
 Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
-one GRPO step; then bookkeeping (metrics), the prompt stream and the training loop.
+one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run summary, the
+command line and the training loop.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
-optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per step), pass_rates.jsonl
-(a line per prompt per step: step, id, n, correct, reward), args.json.
+optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per
+step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, reward), args.json.
 
     python grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
     torchrun --standalone --nproc_per_node=8 grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
+
+--steps is a global counter that --resume continues: the paper's stages end at steps 280,
+400 and >= 500 (stage 2 and 3 with --resume and --drop-solved of the earlier stage's
+pass_rates.jsonl). --resume restores weights, optimizer, step, data position and RNG; the
+flags given now (budgets, --steps) apply. A prompt with no room for a token under
+--max-context is skipped and counted. --temperature (> 0) also divides the logits in the
+loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
+(executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout
+batch; 1 is on-policy (ratio exactly 1). --rollout-prompts: prompts a rollout wave per rank,
+whose x G sequences share the KV cache. --save-every: steps between writes of out/latest
+(a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
+data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
 Departures from the paper (which does not describe these details):
   1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged);
@@ -50,78 +63,6 @@ from tqdm import tqdm
 import executor
 import sft
 
-# -----------------------------------------------------------------------------
-# Config
-
-
-def parse_args(argv=None):
-    p = executor.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient on "
-                                "code-interleaved rollouts (interpreter outputs masked).")
-    # model and data
-    p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
-                   help="policy to start from: HF model dir, .gguf file or packaged model name; ignored with --resume")
-    p.add_argument("--data", type=executor.input_file,
-                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
-                   help="problems JSONL: id, problem, answer; a problem whose prompt leaves no room under "
-                   "--max-context is skipped and counted")
-    p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
-    p.add_argument("--resume", default=None,
-                   help="checkpoint dir (out/latest or out/step_N) to continue from: weights, optimizer, "
-                   "step counter, data position, RNG; the flags given now (budgets, --steps) apply")
-    p.add_argument("--reset-optimizer", action="store_true",
-                   help="with --resume: start the optimizer and data order fresh (weights and step kept)")
-    p.add_argument("--drop-solved", type=executor.input_file, default=None,
-                   help="pass-rate JSONL of an earlier stage: drop prompts whose latest record is G/G")
-    # GRPO
-    p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step to run (a global counter that "
-                   "--resume continues): stage 1 280, stage 2 400, stage 3 >= 500")
-    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts per step, across all ranks")
-    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8,
-                   help="G: samples per prompt (>= 2: the advantage is relative to the group)")
-    p.add_argument("--updates-per-step", type=executor.positive_int, default=1,
-                   help="optimizer steps (mini-batches) per rollout batch; 1 = on-policy (ratio exactly 1)")
-    p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
-    p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
-    p.add_argument("--dynamic-sampling", action="store_true",
-                   help="draw more prompts until --prompts-per-step groups have reward variance (DAPO)")
-    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4,
-                   help="with --dynamic-sampling: rollout rounds per step, at most")
-    # rollout
-    p.add_argument("--temperature", type=executor.positive_float, default=1.0,
-                   help="sampling temperature, also used in the loss (> 0: it divides the logits)")
-    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
-    p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens per sample, prompt + completion")
-    p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = only --max-context")
-    p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4,
-                   help="prompts per rollout wave per rank (x G sequences share the KV cache); 0 = all")
-    p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block, wall clock")
-    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes a rank; 0 = CPUs/local ranks")
-    p.add_argument("--stateful", action="store_true",
-                   help="block k sees what blocks 1..k-1 of its trajectory defined (executor.Sandbox.run)")
-    # optimisation
-    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
-    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
-    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head / log-softmax chunk")
-    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--shard-optimizer", action="store_true",
-                   help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
-    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
-    # run
-    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps between writes of out/latest (a crash "
-                   "loses at most this many steps); 0 = only at the end")
-    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept out/step_N copies; 0 = none")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep AdamW's state in checkpoints (2 x the fp32 weights) so --resume continues "
-                        "exactly; --no-save-optimizer writes weights, step, data order and RNG only")
-    return p.parse_args(argv)
-
-
 @dataclass
 class Dist:
     """Where this process sits (from `sft.setup_distributed`)."""
@@ -144,16 +85,20 @@ def mix_seed(*xs) -> int:
     return h
 
 
+def prompt_ids(tokenizer, problem, args) -> list:
+    """The problem's prompt token ids, under --stateful's system prompt or the default one."""
+    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
+    return executor.build_prompt_ids(tokenizer, problem["problem"], system=system)
+
+
 def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
     """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
     --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
     stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
     stats = {}
-    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
-    prompts = [executor.build_prompt_ids(tokenizer, p["problem"], system=system) for p in problems]
+    prompts = [prompt_ids(tokenizer, p, args) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave = args.rollout_prompts or max(1, len(prompts))
-    G = args.group_size
+    wave, G = args.rollout_prompts or len(prompts), args.group_size
     out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
@@ -172,11 +117,7 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, roll
 def sync_policy(model, policy):
     """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
     calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
-    sd = sft.full_state_dict(model, cpu_offload=False)
-    with torch.no_grad():
-        for name, t in policy.state_dict().items():
-            if name in sd:
-                t.copy_(sd[name])
+    policy.load_state_dict(sft.full_state_dict(model, cpu_offload=False), strict=False)
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +156,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         Example: [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5].
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
-    if group_size == 1:
+    if group_size == 1:  # (std of one value would warn)
         return torch.zeros(rewards.shape, dtype=torch.float32)
     r = rewards.to(torch.float64).reshape(-1, group_size)  # (N/G, G)
     const = constant_groups(rewards, group_size)[:, None]  # (N/G, 1)
@@ -252,31 +193,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             regions where the gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of
             KL(pi_old || pi)), entropy (if given); and tokens (the count).
     """
-    assert logprobs.dim() == 2 and logprobs.shape == old_logprobs.shape == loss_mask.shape, \
-        (logprobs.shape, old_logprobs.shape, loss_mask.shape)
-    assert advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0], (advantages.shape, logprobs.shape)
+    assert logprobs.shape == old_logprobs.shape == loss_mask.shape and advantages.shape == logprobs.shape[:1]
     mask = loss_mask.bool()  # (B, T)
     old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs.detach())  # (B, T), NaN-free
     log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1), broadcast over T on purpose
-    surr = ratio * adv  # (B, T)
-    surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
-    per_token = torch.where(mask, -torch.minimum(surr, surr_clipped), torch.zeros_like(surr))  # (B, T)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
     n_tokens = mask.sum()
-    if normalizer is None:
-        normalizer = n_tokens.clamp(min=1)
-    loss = per_token.sum() / normalizer
+    loss = torch.where(mask, -surr, 0.0).sum() / (n_tokens.clamp(min=1) if normalizer is None else normalizer)
 
     with torch.no_grad():
         denom = n_tokens.clamp(min=1).float()
         low = mask & (ratio < 1.0 - eps_low) & (adv < 0)  # (B, T)
         high = mask & (ratio > 1.0 + eps_high) & (adv > 0)  # (B, T)
-        k3 = torch.where(mask, (ratio - 1.0) - log_ratio, torch.zeros_like(ratio)).float()  # (B, T)
-        metrics = {"clip_frac_low": low.sum().float() / denom, "clip_frac_high": high.sum().float() / denom,
+        k3 = torch.where(mask, (ratio - 1.0) - log_ratio, 0.0).float()  # (B, T)
+        metrics = {"clip_frac_low": low.sum() / denom, "clip_frac_high": high.sum() / denom,
                    "approx_kl": k3.sum() / denom, "tokens": n_tokens.float()}
         if entropy is not None:
-            metrics["entropy"] = torch.where(mask, entropy.float(), torch.zeros_like(k3)).sum() / denom
+            metrics["entropy"] = torch.where(mask, entropy.float(), 0.0).sum() / denom
     return loss, metrics
 
 
@@ -297,12 +232,10 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
     """
     assert all(len(s.ids) == len(s.roles) == len(s.logprobs) for s in samples), "ids, roles and logprobs must align"
     mb = sft.collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
-    B, T = mb["input_ids"].shape
-    mb["sampler_logprobs"] = torch.full((B, T), float("nan"))  # (B, T)
-    for b, s in enumerate(samples):
-        mb["sampler_logprobs"][b, :len(s.ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    mb["sampler_logprobs"] = torch.nn.utils.rnn.pad_sequence(  # (B, T)
+        [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], batch_first=True, padding_value=float("nan"))
     mb["loss_mask"] = mb["roles"] == executor.ROLE_MODEL  # (B, T)
-    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(B)  # (B,)
+    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)  # (B,)
     return mb
 
 
@@ -329,7 +262,7 @@ def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
 
 
 TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # policy_loss's per-token metrics
-TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "logprob_diff")
+TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "sampler_logprob_gap")  # the gap: |trainer - sampler| logprob
 
 
 def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0, progress=None) -> dict:
@@ -349,8 +282,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     K = args.updates_per_step
     # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
     minis = []
-    for chunk in split_even(list(range(len(samples))), K):
-        chunk = sorted(chunk, key=lambda i: -len(samples[i].ids))
+    for chunk in torch.arange(len(samples)).tensor_split(K):  # sizes differ by at most one
+        chunk = sorted(chunk.tolist(), key=lambda i: -len(samples[i].ids))
         cuts = [chunk[j:j + args.micro_batch] for j in range(0, len(chunk), args.micro_batch)]
         minis.append([make_batch([samples[i] for i in c], advantages[c], pad_id) for c in cuts])
     # 2) global sizes, fixed before any micro-step: the loss tokens of each mini-batch over
@@ -369,7 +302,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
     acc = dict.fromkeys(TRAIN_SUMS, 0.0)
-    grad_norm, steps = 0.0, 0
+    grad_norm = 0.0
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
@@ -390,17 +323,10 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 acc[name] += met[name].double() * met["tokens"]
             acc["loss_tokens"] += met["tokens"].double()
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            acc["logprob_diff"] += torch.where(mask, gap, 0.0).sum().double()
+            acc["sampler_logprob_gap"] += torch.where(mask, gap, 0.0).sum().double()
         grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
-        steps += 1
-    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm, "optimizer_steps": steps}
-
-
-def split_even(items, k: int) -> list:
-    """k contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    q, r = divmod(len(items), k)
-    bounds = [j * q + min(j, r) for j in range(k + 1)]
-    return [items[bounds[j]:bounds[j + 1]] for j in range(k)]
+    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm,
+            "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
 
 
 # -----------------------------------------------------------------------------
@@ -426,7 +352,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     """
     reward_fn = reward_fn or answer_reward
     G = args.group_size
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     # 1) rollouts -> rewards -> group advantages; groups with equal rewards are dropped.
     #    With --dynamic-sampling, more rounds until the step has enough groups with signal.
     kept, kept_adv, rounds, t_exec = [], [], [], 0.0
@@ -435,25 +361,20 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         samples, secs = collect_rollouts(policy, tokenizer, problems, sandbox, args,
                                          mix_seed(args.seed, step, d.rank, len(rounds)), rollout_fn)
         rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
-        adv = group_advantages(rewards, G)  # (N,)
-        for g, const in enumerate(constant_groups(rewards, G).tolist()):
-            if not const:
-                kept += samples[g * G:(g + 1) * G]
-                kept_adv.append(adv[g * G:(g + 1) * G])
+        signal = ~constant_groups(rewards, G).repeat_interleave(G)  # (N,)
+        kept += [s for s, keep in zip(samples, signal.tolist()) if keep]
+        kept_adv.append(group_advantages(rewards, G)[signal])
         rounds.append((problems, samples, rewards))
         t_exec += secs
-        if not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds:
+        # every rank takes the same branch: the first two tests agree, the count is global
+        if (not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds
+                or int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step):
             break
-        if int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step:
-            break  # every rank sees the same global count
-    t_rollout = time.perf_counter() - t_start - t_exec
 
     # 2) the update, on the kept groups only
-    t0 = time.perf_counter()
-    advantages = torch.cat(kept_adv) if kept_adv else torch.zeros(0)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    upd = update_policy(model, optimizer, kept, advantages, args, d, pad_id, progress)
-    times = [t_rollout, t_exec, time.perf_counter() - t0]
+    t1 = time.perf_counter()
+    upd = update_policy(model, optimizer, kept, torch.cat(kept_adv), args, d, tokenizer.pad_token_id or 0, progress)
+    times = [t1 - t0 - t_exec, t_exec, time.perf_counter() - t1]  # rollout (less the stalls), exec stalls, training
     return step_metrics(step, rounds, upd, times, G, optimizer, d)
 
 
@@ -478,19 +399,17 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     misleading 0). Returns (metrics, records) as `grpo_step`."""
     S, records = dict.fromkeys(ROLLOUT_SUMS, 0.0), []
     for problems, samples, rewards in rounds:
-        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)], dtype=torch.long)
-        for prob, c, r in zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
+        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)]).reshape(-1, G)
+        for prob, c, r in zip(problems, correct.sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
             records.append({"step": step, "id": prob["id"], "n": G, "correct": c, "reward": r})
-        S["groups"] += len(problems)
         S["zero_var_groups"] += int(constant_groups(rewards, G).sum())
-        S["reward"] += float(rewards.sum())
-        S["correct"] += int(correct.sum())
         for s in samples:
-            S["samples"] += 1
             S["model_tokens"] += s.n_model_tokens
             S["tool_calls"] += len(s.blocks or [])
             S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
             S["finish_" + s.finish_reason] += 1  # a KeyError for an unknown reason: keys must match across ranks
+    S.update(groups=len(records), samples=G * len(records), correct=sum(r["correct"] for r in records),
+             reward=sum(r["reward"] for r in records))  # this rank's records: not yet gathered
     sums = torch.tensor([*S.values(), *(upd[k] for k in TRAIN_SUMS)], dtype=torch.float64, device=d.device)
     tot = dict(zip([*S, *TRAIN_SUMS], sft.all_reduce(sums).tolist()))
     times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
@@ -501,8 +420,7 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
     nt = tot["loss_tokens"]
     metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt)}
     metrics.update({name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()})
-    metrics.update({name: tot[name] / nt if nt else None for name in TOKEN_MEANS})
-    metrics["sampler_logprob_gap"] = tot["logprob_diff"] / nt if nt else None  # |trainer - sampler| per token
+    metrics.update({name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:]})  # means per loss token
     metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if nt else None
     metrics.update(optimizer_steps=upd["optimizer_steps"], sampling_rounds=len(rounds),
                    lr=optimizer.param_groups[0]["lr"], time_rollout=times[0], time_exec=times[1], time_train=times[2])
@@ -512,12 +430,10 @@ def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimi
 def budget_warning(metrics) -> str | None:
     """A loud message when most samples end on a budget (rewards silently become 0)."""
     length, tools = metrics["finish_length_share"], metrics["finish_tool_budget_share"]
-    if length + tools <= 0.5:
-        return None
-    return (f"WARNING step {metrics['step']}: {length:.0%} of samples hit the length budget "
-            f"(--max-context / --max-new-tokens) and "
-            f"{tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples score 0 and "
-            "training learns little. Raise the budgets or check the prompt / stop tokens.")
+    if length + tools > 0.5:
+        return (f"WARNING step {metrics['step']}: {length:.0%} of samples hit the length budget (--max-context / "
+                f"--max-new-tokens) and {tools:.0%} the tool-call budget (--max-tool-calls): unfinished samples "
+                "score 0 and training learns little. Raise the budgets or check the prompt / stop tokens.")
 
 
 # -----------------------------------------------------------------------------
@@ -536,9 +452,9 @@ def solved_ids(path: str) -> set:
 
 class PromptStream:
     """The order problems are drawn in: a permutation of the list seeded by (seed, epoch).
-    Every rank walks the same order and takes its own contiguous slice of each global
-    batch, so rank shards are disjoint. State (epoch, offset, fingerprint of the id list)
-    goes into checkpoints."""
+    Every rank walks the same order and takes every world_size-th problem of each global
+    batch, from its rank on, so rank shards are disjoint. State (epoch, offset, fingerprint
+    of the id list) goes into checkpoints."""
 
     def __init__(self, problems, seed: int, rank: int = 0, world_size: int = 1):
         assert problems, "no problems to draw from"
@@ -548,21 +464,18 @@ class PromptStream:
 
     def _start(self, epoch: int, offset: int):
         self.epoch, self.offset = epoch, offset
-        self._order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+        self._order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.problems)), len(self.problems))
 
     def next(self, n_global: int) -> list:
         """This rank's share (n_global / world_size problems) of the next global batch."""
         assert n_global % self.world == 0, (n_global, self.world)
         batch = []
-        while len(batch) < n_global:
+        for _ in range(n_global):
             if self.offset == len(self._order):
                 self._start(self.epoch + 1, 0)
-            take = min(n_global - len(batch), len(self._order) - self.offset)
-            batch += self._order[self.offset:self.offset + take]
-            self.offset += take
-        per = n_global // self.world
-        return [self.problems[i] for i in batch[self.rank * per:(self.rank + 1) * per]]
+            batch.append(self.problems[self._order[self.offset]])
+            self.offset += 1
+        return batch[self.rank::self.world]
 
     def state_dict(self):
         return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
@@ -608,11 +521,11 @@ def step_table(rows) -> str:
             "exec errors / sample", "loss tokens", "grad norm", "rollout s", "training s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in rows:
-        signal = f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}"
-        grad = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}"
-        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}", signal,
+        cells = (m["step"], f"{m['reward_mean']:.3f}", f"{m['accuracy']:.3f}",
+                 f"{round(m['groups'] * (1 - m['zero_var_share']))} of {m['groups']}",
                  f"{m['model_tokens_per_sample']:.0f}", f"{m['tool_calls_per_sample']:.2f}",
-                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"], grad,
+                 f"{m['exec_errors_per_sample']:.2f}", m["loss_tokens"],
+                 "-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}",
                  f"{m['time_rollout'] + m['time_exec']:.0f}", f"{m['time_train']:.0f}")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -622,22 +535,74 @@ def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
     """What a run ends with (rank 0): one sampled trajectory of its last step in readable
     form (a correct one with code if any, else the one with the most blocks), the per-step
     table of metrics.jsonl, and where the files are."""
-    by_prompt = {tuple(executor.build_prompt_ids(tokenizer, p["problem"])): p for p in problems}
-    pairs = [(s, by_prompt[tuple(s.prompt_ids)]) for s in samples if tuple(s.prompt_ids) in by_prompt]
-    s, prob = max(pairs, key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
-                                         len(sp[0].blocks)))
-    record = executor.sample_record(prob, s)
-    record["reward"] = float(reward_fn(s, prob))
-    rows = executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))
-    out = os.path.abspath(args.out)
+    by_prompt = {tuple(prompt_ids(tokenizer, p, args)): p for p in problems}
+    s, prob = max(((s, by_prompt[tuple(s.prompt_ids)]) for s in samples),
+                  key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
+                                  len(sp[0].blocks)))
+    record = dict(executor.sample_record(prob, s), reward=float(reward_fn(s, prob)))
     return "\n".join([
         "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
-        "Per step (metrics.jsonl):", "", step_table(rows), "",
-        f"Files in {out}:",
+        "Per step (metrics.jsonl):", "",
+        step_table(executor.read_jsonl_tolerant(os.path.join(args.out, "metrics.jsonl"))), "",
+        f"Files in {os.path.abspath(args.out)}:",
         "  metrics.jsonl     one line per step (the table above and more)",
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
         "  latest/           the trained policy (Hugging Face directory) and trainer state",
         f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = executor.ArgumentParser(description="THINC GRPO: token-level clipped policy gradient, outputs masked")
+    # model and data
+    p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
+                   help="policy to start from: HF dir, .gguf file or packaged model name; ignored with --resume")
+    p.add_argument("--data", type=executor.input_file,
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
+                   help="problems JSONL: id, problem, answer; a prompt with no room under --max-context is skipped")
+    p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
+    p.add_argument("--resume", help="checkpoint dir (out/latest, out/step_N) to continue; the flags given now apply")
+    p.add_argument("--reset-optimizer", action="store_true", help="with --resume: fresh optimizer and data order")
+    p.add_argument("--drop-solved", type=executor.input_file, help="pass-rate JSONL: drop prompts last solved G/G")
+    # GRPO
+    p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
+    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts a step, all ranks")
+    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
+    p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
+    p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
+    p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
+    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: draw prompts until enough groups have signal")
+    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4, help="rounds a step, at most")
+    # rollout
+    p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="sampling and loss temperature")
+    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
+    p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
+    p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
+    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4, help="prompts a wave a rank; 0 = all")
+    p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
+    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
+    p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
+    # optimisation
+    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
+    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head chunk")
+    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--shard-optimizer", action="store_true", help="with DDP: ZeRO-1, AdamW state sharded over ranks")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
+    # run
+    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
+    p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
+    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept step_N; 0 = none")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
@@ -651,13 +616,10 @@ def main(argv=None, reward_fn=None):
     rank, _, world, device = sft.setup_distributed(args.seed)
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
-    # derived sizes
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
-    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} per step over {world} ranks; "
-               f"{args.updates_per_step} update(s) per step, micro-batch {args.micro_batch}; " +
-               ("on-policy: ratio exactly 1, clip fractions 0" if args.updates_per_step == 1 else
-                "clipping active after the first update"))
+    sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} a step over {world} ranks, micro-batch "
+               f"{args.micro_batch}, {args.updates_per_step} update(s) a step (1: on-policy, the ratio is exactly 1)")
 
     # 1) data, read before anything is written (bad input changes no file)
     problems = executor.read_problems(args.data)
@@ -675,18 +637,17 @@ def main(argv=None, reward_fn=None):
     # prompts are measured before any forward: one with no room for a token under --max-context
     # is skipped and counted, never prefilled (every rank filters the same list)
     n0 = len(problems)
-    problems = [p for p in problems if len(executor.build_prompt_ids(tokenizer, p["problem"])) < args.max_context]
+    problems = [p for p in problems if len(prompt_ids(tokenizer, p, args)) < args.max_context]
     if not problems:
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
     stream = PromptStream(problems, args.seed, rank, world)
-    roll_dtype = torch.bfloat16 if d.autocast_dtype is not None else torch.float32
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
-    # the sampler's token loop) or in another dtype; otherwise the sampler uses the trained
-    # module itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
-    share = not args.fsdp and roll_dtype == torch.float32
-    policy = None if share else copy.deepcopy(lm).to(device=device, dtype=roll_dtype).requires_grad_(False)
+    # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
+    # itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
+    share = not args.fsdp and d.autocast_dtype is None
+    policy = None if share else copy.deepcopy(lm).to(device, d.autocast_dtype or torch.float32).requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
@@ -697,25 +658,24 @@ def main(argv=None, reward_fn=None):
         step = st["step"]
         if not args.reset_optimizer:
             stream.load_state_dict(st["data"])
-        fresh = " (optimizer and data order fresh)" if args.reset_optimizer else ""
-        sft.print0(f"resumed from {args.resume} at step {step}{fresh}")
+        sft.print0(f"resumed from {args.resume} at step {step}"
+                   + (" (optimizer and data order fresh)" if args.reset_optimizer else ""))
         if rank == 0:
             for name in ("metrics.jsonl", "pass_rates.jsonl"):
                 executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
-    def save(name):
-        state = {"step": step, "data": stream.state_dict()}
-        path = os.path.join(args.out, name)
-        t0 = time.perf_counter()
-        if show_bars:
-            tqdm.write(f"step {step}: writing checkpoint {path} ...")
-        sft.save_checkpoint(path, model, tokenizer, vars(args), state, optimizer if args.save_optimizer else None)
-        if show_bars:
-            tqdm.write(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
-
     # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout for the summary
-    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     show_bars = rank == 0 and not args.no_progress
+    say = tqdm.write if show_bars else lambda text: None
+
+    def save(name):
+        path, t0 = os.path.join(args.out, name), time.perf_counter()
+        say(f"step {step}: writing checkpoint {path} ...")
+        sft.save_checkpoint(path, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
+                            optimizer if args.save_optimizer else None)
+        say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
+
+    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
     last = {}
 
@@ -728,7 +688,8 @@ def main(argv=None, reward_fn=None):
             step += 1
             if not share:
                 sync_policy(model, policy)
-            last["bar"] = executor.RolloutProgress(args.prompts_per_step // world * args.group_size, f"step {step} rollout", not show_bars)
+            n_samples = args.prompts_per_step // world * args.group_size
+            last["bar"] = executor.RolloutProgress(n_samples, f"step {step} rollout", not show_bars)
             train_bar = MicroBatchBar(f"step {step} training", not show_bars)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,

@@ -506,6 +506,18 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     assert len(later) == 4 and not {r["id"] for r in later} & {"p0", "p1"}
 
 
+@pytest.mark.timeout(60)
+def test_stateful_run_measures_and_summarises_its_own_prompts(tiny_dir, tmp_path, capsys):
+    """--stateful prompts carry their own system prompt: the run ends with a trajectory of
+    its last step (before, the summary looked the samples up under the default prompt and
+    found none)."""
+    data = str(tmp_path / "probs.jsonl")
+    _write_problems(data, 2)
+    grpo.main(_cli(tiny_dir, data, str(tmp_path / "o"), "--steps", "1", "--prompts-per-step", "2", "--stateful"),
+              reward_fn=first_token_reward)
+    assert "One trajectory of the last step (rank 0):" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, msg", [
     (("--group-size", "1"), "argument --group-size: expected an integer in [2, inf), got '1'"),
     (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
