@@ -615,6 +615,8 @@ def main(argv=None, reward_fn=None):
     args = parse_args(argv)
     rank, _, world, device = sft.setup_distributed(args.seed)
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
+    if args.resume:  # one interpreter policy per run: its rollouts and prompt never mix
+        executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",), f"the rollouts of {args.resume}")
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")

@@ -518,6 +518,22 @@ def test_stateful_run_measures_and_summarises_its_own_prompts(tiny_dir, tmp_path
     assert "One trajectory of the last step (rank 0):" in capsys.readouterr().out
 
 
+def test_resume_with_the_other_interpreter_policy_is_refused(tiny_dir, tmp_path, capsys):
+    """A run made stateless continues only stateless (and the reverse): the flag is in the
+    checkpoint's args.json, and a resume with the other one stops before any step."""
+    data = str(tmp_path / "probs.jsonl")
+    _write_problems(data, 2)
+    out = str(tmp_path / "o")
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--prompts-per-step", "2"), reward_fn=first_token_reward)
+    capsys.readouterr()
+    argv = _cli(tiny_dir, data, out, "--steps", "2", "--prompts-per-step", "2", "--stateful",
+                "--resume", os.path.join(out, "latest"))
+    assert ex.cli(lambda a: grpo.main(a, reward_fn=first_token_reward), argv) == 2
+    err = capsys.readouterr().err
+    assert "were made with --stateful False, this run has True" in err and err.count("\n") == 1
+    assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 1
+
+
 @pytest.mark.parametrize("flags, msg", [
     (("--group-size", "1"), "argument --group-size: expected an integer in [2, inf), got '1'"),
     (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
