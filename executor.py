@@ -338,8 +338,8 @@ class Sandbox:
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
     Raises:
-        ValueError: a limit out of range. SandboxError: the template cannot start, or died
-        and cannot be restarted.
+        SandboxError: the template cannot start, or died and cannot be restarted. (The
+        limits are not checked here: the stages' argparse types bound them.)
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
 
@@ -348,8 +348,6 @@ class Sandbox:
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
-        if not (0 < timeout < math.inf and memory_mb >= 0 and max_output_chars >= 0 and max_file_mb > 0):
-            raise ValueError("Sandbox: timeout, max_file_mb must be > 0; memory_mb, max_output_chars >= 0")
         self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
@@ -1999,38 +1997,26 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     return _GRADER.verify(gold, pred, timeout)
 
 
-def _number(kind, low, strict=False):
-    """An argparse type: a finite `kind` >= low (> low if strict)."""
-    def parse(text):
-        value = kind(text)
-        if not (math.isfinite(value) and (value > low or value == low and not strict)):
-            raise argparse.ArgumentTypeError(f"must be a number {'>' if strict else '>='} {low}, not {text}")
-        return value
-    return parse
-
-
-def main():
-    p = argparse.ArgumentParser(description="Run Python files through the THINC sandbox and print "
-                                "what the model would see after each.")
+def main(argv=None):
+    p = ArgumentParser(description="Run Python files through the THINC sandbox and print "
+                       "what the model would see after each.")
     p.add_argument("files", nargs="+", help="Python files, each run as one block")
     p.add_argument("--stateful", action="store_true",
                    help="run the files as the successive blocks of one trajectory (see Sandbox.run)")
-    p.add_argument("--timeout", type=_number(float, 0, strict=True), default=10.0, help="seconds a block, wall clock")
-    p.add_argument("--memory-mb", type=_number(int, 0), default=4096, help="address-space limit, MiB; 0 = none")
-    p.add_argument("--max-output-chars", type=_number(int, 0), default=2000, help="output cap, characters; 0 = none")
-    args = p.parse_args()
+    p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
+    p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
+    p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
+    args = p.parse_args(argv)
     codes = []
-    for path in args.files:
+    for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
+        with open(path, "rb") as f:
+            data = f.read()
         try:
-            with open(path, "rb") as f:
-                data = f.read()
             codes.append(data.decode("utf-8"))
-        except OSError as e:
-            p.error(f"{path}: {e.strerror}")
         except UnicodeDecodeError as e:
-            p.error(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})")
+            raise InputError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
         if "\0" in codes[-1]:
-            p.error(f"{path}: a binary file (NUL bytes), not Python source")
+            raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
     history = []
     with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
                  max_output_chars=args.max_output_chars) as sb:
@@ -2044,4 +2030,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))
