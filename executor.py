@@ -1019,8 +1019,10 @@ def _kv_cache(model, max_len: int | None = None):
 @functools.cache
 def _slab_layer_class():
     """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that grows by 25% (at least 256 positions, at most max_len) when full; the model
-    reads the view [:, :, :S].
+    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
+    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
+    batch_repeat_interleave and batch_select_indices work on those views; a view that no
+    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
 
     transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
     T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
@@ -1034,55 +1036,25 @@ def _slab_layer_class():
     class SlabLayer(DynamicLayer):
         def __init__(self, max_len=None):
             super().__init__()
-            self.max_len = max_len
-
-        def lazy_initialization(self, key_states, value_states):
-            self.device, self.n, self.is_initialized = key_states.device, 0, True
-            self.k_slab = self.v_slab = key_states.new_empty(key_states.shape[:2] + (0, key_states.shape[3]))
+            self.max_len, self.k_slab, self.v_slab = max_len, None, None
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            end = self.n + key_states.shape[-2]
-            if end > self.k_slab.shape[-2]:
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            n = self.keys.shape[-2]
+            end = n + key_states.shape[-2]
+            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
+            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
                 capacity = max(end + 256, end * 5 // 4)
                 capacity = max(end, min(capacity, self.max_len or capacity))
-                self.k_slab, self.v_slab = (self._grown(s, capacity) for s in (self.k_slab, self.v_slab))
-            self.k_slab[:, :, self.n:end] = key_states
-            self.v_slab[:, :, self.n:end] = value_states
-            self.n = end
-            return self._view()
-
-        def _grown(self, slab, capacity):
-            new = slab.new_empty(slab.shape[:2] + (capacity, slab.shape[3]))
-            new[:, :, :self.n] = slab[:, :, :self.n]
-            return new
-
-        def _view(self):
-            self.keys, self.values = self.k_slab[:, :, :self.n], self.v_slab[:, :, :self.n]
+                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
+                                            for t in (key_states, value_states))
+                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
+            self.k_slab[:, :, n:end] = key_states
+            self.v_slab[:, :, n:end] = value_states
+            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
             return self.keys, self.values
-
-        def get_seq_length(self):
-            return self.n if self.is_initialized else 0
-
-        def crop(self, tokens_to_remove):
-            # transformers' convention: a negative count drops that many final positions
-            if tokens_to_remove > 0:
-                raise ValueError(f"crop({tokens_to_remove}): pass a negative number of positions to drop")
-            if self.is_initialized:
-                self.n = max(0, self.n + tokens_to_remove)
-                self._view()
-
-        def batch_repeat_interleave(self, repeats):
-            if self.get_seq_length() > 0:
-                self.k_slab, self.v_slab = (s[:, :, :self.n].repeat_interleave(repeats, dim=0)
-                                           for s in (self.k_slab, self.v_slab))
-                self._view()
-
-        def batch_select_indices(self, indices):
-            if self.get_seq_length() > 0:
-                self.k_slab, self.v_slab = self.k_slab[indices], self.v_slab[indices]
-                self._view()
 
     return SlabLayer
 
