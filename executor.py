@@ -171,17 +171,12 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             os.close(fds[2])
             running[pid] = socket.socket(fileno=fds[1]), hold_w
             _send(running[pid][0], pid=pid)
-        while True:  # reap every exited child; report how each block ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if pid in running:
-                sock, hold_w = running.pop(pid)
-                _send(sock, exit=status)
-                sock.close()
+        with contextlib.suppress(ChildProcessError):  # reap every exited child; report how each block ended
+            while (reaped := os.waitpid(-1, os.WNOHANG))[0] != 0:
+                sock, hold_w = running.pop(reaped[0], (None, None))
+                if sock is not None:
+                    _send(sock, exit=reaped[1])
+                    sock.close()
                 if hold_w is not None:
                     os.close(hold_w)
 
@@ -304,7 +299,7 @@ class _TemplateDied(Exception):
     pass
 
 
-class Sandbox:
+class Sandbox(contextlib.AbstractContextManager):
     """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
     A block runs as `python -u block.py` would in a new process: as `__main__` (pickling,
@@ -399,9 +394,6 @@ class Sandbox:
         with self._lock:
             self._closed = True
             self._stop()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
