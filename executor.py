@@ -697,9 +697,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
     device = torch.device(device)
-    if dtype is None:
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     kw = {}
     if path.endswith(".gguf"):
         path, kw["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
@@ -769,11 +767,8 @@ def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_P
     turns, then the problem, then the assistant header (generation prompt).
     template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
     thinking block would otherwise precede the plan)."""
-    msgs = prompt_messages(problem, fewshot, system)
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_kwargs)
-    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return list(tokenizer.apply_chat_template(prompt_messages(problem, fewshot, system), add_generation_prompt=True,
+                                              tokenize=True, return_dict=False, **template_kwargs))
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
@@ -1649,15 +1644,11 @@ def sample_record(problem: dict, sample) -> dict:
     completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
     completion_tokens (model + output tokens), model_tokens, plan_tokens (sampled tokens
     before the first ```python line), blocks and the rollout seed."""
-    row = dict(problem)
-    comp_tokens = len(sample.ids) - len(sample.prompt_ids)
-    row.update(completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),
-               finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
-               n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
-               completion_tokens=comp_tokens, model_tokens=sample.n_model_tokens,
-               plan_tokens=sample.plan_tokens,
-               blocks=sample.blocks, seed=sample.seed)
-    return row
+    return dict(problem, completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),
+                finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
+                n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
+                completion_tokens=len(sample.ids) - len(sample.prompt_ids), model_tokens=sample.n_model_tokens,
+                plan_tokens=sample.plan_tokens, blocks=sample.blocks, seed=sample.seed)
 
 
 def format_trajectory(record: dict, width: int = 80) -> str:
@@ -1665,8 +1656,7 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     problem, the plan, each executed block with its status and output, what the model
     wrote after its last output (the answer), and the verdict."""
     comp, blocks = record["completion"], record.get("blocks") or []
-    cut = comp.find("```")
-    plan = comp if cut < 0 else comp[:cut]
+    plan = comp.split("```", 1)[0]
     tail = comp[len(plan):]  # no block ran: all after the plan (an unrun block, a prose answer)
     if blocks and "```output" in comp:  # else what the model wrote after its last output block
         tail = comp.rsplit("```output", 1)[1].split("```", 1)[-1]
@@ -1724,14 +1714,6 @@ _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
 _SPACE_FORM = re.compile(r"[^\s$]+")
 
 
-def _model_prose(text: str) -> str:
-    """The model's own text: every python and output block that `split_completion` finds
-    (an unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
-    adversarial texts stay fast. Used so that a `\\boxed{}` printed by code or written
-    inside code is never taken as the model's answer (tests/faults.md L7)."""
-    return _BLOCK.sub("\n", text)
-
-
 def _braced(text: str, j: int):
     """Content of the brace group opening at text[j] == '{', or None if unbalanced.
     Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
@@ -1760,7 +1742,11 @@ def extract_answer(text: str, prose_only: bool = True):
     if not text:
         return None
     if prose_only:
-        text = _model_prose(text)
+        # the model's own text: every python and output block that `split_completion` finds (an
+        # unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
+        # adversarial texts stay fast. So a `\boxed{}` printed by code or written inside code
+        # is never taken as the model's answer (tests/faults.md L7).
+        text = _BLOCK.sub("\n", text)
     i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if i < 0:
         return None
@@ -1838,7 +1824,6 @@ def _serve_grader():
     end a stuck comparison if the parent died, the parent's deadline is the one that counts.
     math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
     dependency for grading: a well-kept grader instead of a parser of our own."""
-    import resource
     from math_verify import parse, verify
     with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
@@ -1863,8 +1848,7 @@ class _Grader:
     helper (os.register_at_fork) and starts its own when needed."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.proc = None
+        self.lock, self.proc = threading.Lock(), None
 
     def _start(self):
         env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -1929,9 +1913,7 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     waiting for another thread's call; missing it counts as wrong. Safe to call from any
     thread. Raises RuntimeError only if the Math-Verify helper cannot start.
     """
-    if pred is None:
-        return False
-    pred, gold = str(pred).strip(), str(gold).strip()
+    pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     g = number_value(gold)
