@@ -689,7 +689,10 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         FileNotFoundError: no such path. ImportError (from transformers): a .gguf without gguf.
     """
     import torch
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     tie = PACKAGED_MODELS.get(path, {}).get("tied_head", False)
     if path in PACKAGED_MODELS:
@@ -701,7 +704,11 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     kw = {}
     if path.endswith(".gguf"):
         path, kw["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    quiet_library_bars()
+    # transformers' own tqdm bars (weights loading, shard writing) stay silent and the GGUF
+    # de-quantisation bar (a plain tqdm that ignores transformers' switch) shows on rank 0 only,
+    # so no bar of another library interleaves with a stage's own (under torchrun every rank loads)
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
     if kw:  # transformers keeps a GGUF quantizer on the model, which blocks save_pretrained
@@ -730,19 +737,6 @@ def tie_output_head(model):
     """
     model.get_input_embeddings().weight = model.get_output_embeddings().weight
     model.config.tie_word_embeddings = True
-
-
-def quiet_library_bars():
-    """Silence transformers' own tqdm bars (weights loading, shard writing) and show the GGUF
-    de-quantisation bar on rank 0 only, so no bar of another library interleaves with a
-    stage's own (under torchrun every rank loads the model)."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    # the GGUF bar is a plain tqdm that ignores transformers' switch
-    gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
 
 
 def prompt_messages(problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> list:
@@ -973,10 +967,10 @@ class _Row:
     def __init__(self, prompt_ids):
         self.ids, self.roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
         self.logprobs = [float("nan")] * len(prompt_ids)
-        self.prompt_len = self.n_fed = len(prompt_ids)  # n_fed: ids already in the KV cache
-        self.seg_start = len(self.ids)  # first id of the current segment (after the last output block)
+        # n_fed: ids already in the KV cache; seg_start: first id of the current segment (after
+        # the last output block); ids[read:] are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.n_fed = self.seg_start = self.ctx = self.read = len(prompt_ids)
         self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
-        self.ctx = self.read = len(self.ids)  # ids[read:] are not in text yet; ids[ctx:read] their context
         self.blocks, self.tool_calls, self.n_model = [], 0, 0
         self.finish, self.code = None, None  # finish reason; the block being run
         self.running = None  # the sandbox's future for that block
