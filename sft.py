@@ -26,15 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib
-import glob
-import json
-import math
-import os
-import random
-import shutil
-import sys
-import time
+import contextlib, glob, json, math, os, random, shutil, sys, time
 
 import torch
 import torch.distributed as dist
@@ -103,15 +95,32 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 class LogprobModel(nn.Module):
     """The unit that DDP / FSDP wrap: forward = the causal LM's body once, then the chunked
-    head of `token_logprobs`. Everything that touches parameters runs inside this forward,
-    so DDP's reducer and FSDP's unshard hooks see it. `.lm` is the Hugging Face model."""
+    head (`token_logprobs` documents the arguments). Everything that touches parameters
+    runs inside this forward, so DDP's reducer and FSDP's unshard hooks see it. `.lm` is the
+    Hugging Face model."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, *args):
-        return _lm_token_logprobs(self.lm, *args)
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
+        assert not getattr(self.lm.config, "final_logit_softcapping", None), \
+            "token_logprobs: final logit soft-capping is not supported"
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids, use_cache=False).last_hidden_state  # (B, T, H)
+        B, T = input_ids.shape
+        first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
+        zero = torch.zeros(B, first, device=hidden.device)
+        logps, ents = [zero], [zero]
+        for s in range(first - 1, T - 1, chunk_size):
+            e = min(s + chunk_size, T - 1)
+            h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
+            # recompute the chunk's (B, C, V) logits in backward instead of keeping them
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, self.lm.get_output_embeddings(), h, tgt,
+                                                        temperature, entropy, use_reentrant=False)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
 
 
 def _is_ddp(model) -> bool:
@@ -170,9 +179,7 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     assert layers, f"--fsdp: no decoder layers found in {type(model).__name__} (_no_split_modules)"
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    wrapped = LogprobModel(model)
-    fully_shard(wrapped, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
-    return wrapped
+    return fully_shard(LogprobModel(model), mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
 
 
 @contextlib.contextmanager
@@ -211,30 +218,6 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
-def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
-    assert not getattr(getattr(lm, "config", None), "final_logit_softcapping", None), \
-        "token_logprobs: final logit soft-capping is not supported"
-    body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else lm.lm_head
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # (B, T, H)
-    B, T = input_ids.shape
-    first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
-    logps, ents = [torch.zeros(B, first, device=hidden.device)], [torch.zeros(B, first, device=hidden.device)]
-    for s in range(first - 1, T - 1, chunk_size):
-        e = min(s + chunk_size, T - 1)
-        h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
-        if torch.is_grad_enabled() and h.requires_grad:
-            # recompute the chunk's (B, C, V) logits in backward instead of keeping them
-            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
-                                                        use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs(head, h, tgt, temperature, entropy)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
-
-
 def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_size: int = 1024,
                    temperature: float = 1.0, return_entropy: bool = False, start: int = 0):
     """Logprob of every token given the tokens before it, without materialising (B, T, V).
@@ -259,19 +242,16 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
     """
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    if _is_ddp(model) or isinstance(model, LogprobModel):
-        logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
-    else:
-        logp, ent = _lm_token_logprobs(model, input_ids, attention_mask, position_ids, chunk_size, temperature,
-                                       return_entropy, start)
+    if not (_is_ddp(model) or isinstance(model, LogprobModel)):
+        model = LogprobModel(model)  # a bare Hugging Face model
+    logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
     return (logp, ent) if return_entropy else logp
 
 
 def first_loss_column(loss_mask: torch.Tensor) -> int:
     """(B, T) bool -> the first column holding a loss token in any row (0 if none): the
     `start` of `token_logprobs` for a batch."""
-    cols = loss_mask.any(dim=0).nonzero()
-    return int(cols[0]) if len(cols) else 0
+    return int(loss_mask.any(dim=0).int().argmax())  # argmax: the first maximum, 0 if all are 0
 
 
 def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normaliser):
@@ -283,11 +263,8 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
     token mean of the step (style rule 8). Masked positions contribute exactly 0 (where, not
     multiply, so a NaN there cannot leak); an all-masked batch gives 0, not NaN (tests/faults.md F5).
     """
-    assert logprobs.dim() == 2 and logprobs.shape == loss_mask.shape, (logprobs.shape, loss_mask.shape)
-    nll = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs))  # (B, T)
-    nll_sum = nll.sum()
-    norm = torch.as_tensor(normaliser, dtype=nll_sum.dtype, device=nll_sum.device).clamp(min=1.0)
-    return nll_sum / norm, {"nll_sum": nll_sum.detach(), "n_tokens": loss_mask.sum().detach()}
+    nll_sum = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs)).sum()
+    return nll_sum / max(float(normaliser), 1.0), {"nll_sum": nll_sum.detach(), "n_tokens": loss_mask.sum().detach()}
 
 
 # -----------------------------------------------------------------------------
@@ -302,8 +279,8 @@ def end_of_turn_id(tokenizer, stops) -> int:
     return next((t for t in tail if t in stops), tokenizer.eos_token_id)
 
 
-def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=None, where: str = "",
-                  eot: int | None = None, **template_kwargs) -> dict:
+def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: int | None = None,
+                  **template_kwargs) -> dict:
     """Token ids and per-token roles of one trajectory, exactly as the engine feeds them.
 
     The prompt is `executor.build_prompt_ids(tokenizer, problem, **template_kwargs)`
@@ -315,14 +292,10 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
     `eot` (default `end_of_turn_id`; ROLE_MODEL: the model must learn to stop). The
     assistant turn is never rendered through the chat template, which may render a past
     turn differently (strip reasoning, add an empty think block) from the turn generated.
-    Raises ValueError (prefixed with `where`) when `outputs` do not match the completion.
+    Raises ValueError when `outputs` do not match the completion.
     """
-    try:
-        segments = executor.split_completion(completion, outputs)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}" if where else str(e)) from None
     runs = [["", ROLE_MODEL]]  # [text, role]: model text, an output block, model text, ...
-    for seg in segments:
+    for seg in executor.split_completion(completion, outputs):
         if seg.kind == "output":
             runs += [[seg.text, ROLE_OUTPUT], ["", ROLE_MODEL]]
         else:
@@ -340,8 +313,7 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
         t = tokenizer.encode(text, add_special_tokens=False)
         ids += t
         roles += [role] * len(t)
-    if eot is None:
-        eot = end_of_turn_id(tokenizer, stops if stops is not None else executor.stop_token_ids(tokenizer))
+    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer)) if eot is None else eot
     return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
@@ -367,14 +339,13 @@ def load_sft_data(data, tokenizer, max_len: int):
     """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows).
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
-    stops = executor.stop_token_ids(tokenizer)
-    eot = end_of_turn_id(tokenizer, stops)
+    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer))
     examples, dropped = [], 0
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:
-            ex = build_example(tokenizer, problem, completion, outputs, stops, where, eot)
+            ex = build_example(tokenizer, problem, completion, outputs, eot)
         except ValueError as e:
-            raise executor.InputError(e if str(e).startswith(where) else f"{where}: {e}") from e
+            raise executor.InputError(f"{where}: {e}") from e
         if len(ex["ids"]) > max_len:
             dropped += 1
             continue
@@ -385,21 +356,16 @@ def load_sft_data(data, tokenizer, max_len: int):
 def loss_mask_from_roles(roles: torch.Tensor, mask_outputs: bool = False) -> torch.Tensor:
     """(B, T) roles -> (B, T) bool: model tokens, plus interpreter-output tokens unless
     `mask_outputs` (the ablation). Never derived from token ids (pad may equal EOS)."""
-    mask = roles == ROLE_MODEL
-    if not mask_outputs:
-        mask = mask | (roles == ROLE_OUTPUT)
-    return mask
+    return (roles == ROLE_MODEL) | ((roles == ROLE_OUTPUT) & (not mask_outputs))
 
 
 def collate(examples: list, pad_id: int, device="cpu") -> dict:
     """Right-pad examples into input_ids, attention_mask, position_ids and roles, all (B, T);
     padding has role ROLE_PAD and mask 0."""
-    T = max(len(e["ids"]) for e in examples)
-    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    roles = torch.full((len(examples), T), ROLE_PAD, dtype=torch.long)
-    for i, e in enumerate(examples):
-        ids[i, :len(e["ids"])] = torch.tensor(e["ids"])
-        roles[i, :len(e["roles"])] = torch.tensor(e["roles"])
+    def pad(key, value):
+        return nn.utils.rnn.pad_sequence([torch.tensor(e[key]) for e in examples], batch_first=True,
+                                         padding_value=value)
+    ids, roles = pad("ids", pad_id), pad("roles", ROLE_PAD)  # (B, T) long each
     mask = (roles != ROLE_PAD).long()  # (B, T) from lengths
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "position_ids": position_ids_from_mask(mask).to(device), "roles": roles.to(device)}
@@ -421,7 +387,6 @@ def micro_batches_for_rank(idx: list, lengths: list, micro: int, accum: int, wor
     micro-batches of `micro` sequences; micro-batch c goes to rank c % world at micro-step
     c // world, so ranks run similar lengths in lockstep and padding stays small.
     Returns this rank's `accum` lists of example indices."""
-    assert len(idx) == micro * accum * world, (len(idx), micro, accum, world)
     order = sorted(idx, key=lambda i: (lengths[i], i))
     chunks = [order[c * micro:(c + 1) * micro] for c in range(world * accum)]
     return [chunks[k * world + rank] for k in range(accum)]
@@ -482,8 +447,8 @@ def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) 
 # Save / resume
 
 
-def _is_sharded(model) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP's parameters
+def _is_sharded(params) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in params)  # FSDP's parameters
 
 
 def full_state_dict(model, cpu_offload: bool = True) -> dict:
@@ -492,7 +457,7 @@ def full_state_dict(model, cpu_offload: bool = True) -> dict:
     rank 0 alone gets the tensors, on CPU; without (the GRPO rollout copy) every rank gets
     them on its device."""
     lm = unwrap_model(model)
-    if not _is_sharded(lm):
+    if not _is_sharded(lm.parameters()):
         return lm.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
@@ -511,10 +476,11 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 
     out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
     this rank's `trainer_state` (the stage's entries: step, data position) as
-    trainer_state_rank{r}.pt, to which `optimizer` adds its state, the RNG states and the
-    world size (all that `load_trainer_state` restores). Call on every rank (FSDP gathers
-    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded
-    from GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
+    trainer_state_rank{r}.pt, to which `optimizer` adds its state (`optimizer_state`), this
+    process's python / numpy / torch / CUDA RNG states and the world size (all that
+    `load_trainer_state` restores). Call on every rank (FSDP gathers the full state dict;
+    the ranks synchronise); rank 0 writes the model. A model loaded from GGUF (dense
+    weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
     if rank == 0:
@@ -537,24 +503,26 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 
 
 def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
+    import numpy as np
     sd = full_state_dict(model)
     if trainer_state is not None:
-        trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
-        if rank != 0 and not _is_sharded(model) and "optimizer" in trainer_state:
-            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
-            # of memory and disk three times over saved per extra rank); RNG stays per rank
-            trainer_state = {k: v for k, v in trainer_state.items() if k != "optimizer"}
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        trainer_state = {**trainer_state, "rng": rng, "world_size": world}
+        # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
+        # memory and disk three times over saved per extra rank); RNG stays per rank
+        if optimizer is not None and (rank == 0 or _is_sharded(model.parameters()) or _is_zero(optimizer)):
+            trainer_state.update(optimizer_state(optimizer))
         torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
     if rank == 0:
         lm = unwrap_model(model)
-        qc = getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None) \
-            or getattr(lm.config, "quantization_config", None)
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
-        if "gguf" in str(getattr(method, "value", method)).lower():  # dequantized at load: drop the marker
+        qc = getattr(lm.config, "quantization_config", None) \
+            or getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None)
+        if "gguf" in str(getattr(qc, "quant_method", qc)).lower():  # dequantized at load: drop the marker
             assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
             lm.hf_quantizer = None
-            if hasattr(lm.config, "quantization_config"):
-                del lm.config.quantization_config
+            vars(lm.config).pop("quantization_config", None)
         lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "args.json"), "w") as f:
@@ -594,16 +562,6 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
     return None
-
-
-def _optimizer_and_rng_state(optimizer) -> dict:
-    """What `load_trainer_state` restores besides the stage's own entries: the optimizer
-    (`optimizer_state`), this process's python / numpy / torch / CUDA RNG states, the world size."""
-    import numpy as np
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return {**(optimizer_state(optimizer) if optimizer is not None else {}), "rng": rng, "world_size": world}
 
 
 def interrupted_note(out: str) -> str:
@@ -664,14 +622,13 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = F
     """
     params = list(params)
     kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    if shard and dist.is_initialized() and dist.get_world_size() > 1 \
-            and not any(type(p).__name__ == "DTensor" for p in params):
+    if shard and dist.is_initialized() and dist.get_world_size() > 1 and not _is_sharded(params):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
 
 
-def _is_sharded_optimizer(opt) -> bool:
+def _is_zero(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
@@ -688,7 +645,7 @@ def optimizer_state(opt) -> dict:
     hyperparameters. Each rank writes its own share: consolidating on rank 0 would bring
     back the memory that sharding saves. The trainer state's "world_size" says how many
     shares there are."""
-    if not _is_sharded_optimizer(opt):
+    if not _is_zero(opt):
         return {"optimizer": opt.state_dict()}
     share = opt.optim.state_dict()
     _copy_hyperparameters(share["param_groups"], opt.param_groups)
@@ -707,7 +664,7 @@ def load_optimizer_state(opt, state: dict, where: str):
         opt.load_state_dict(state["optimizer"])  # ZeRO keeps its own share of a full state
         return
     n = state["world_size"]
-    if not _is_sharded_optimizer(opt) or n != dist.get_world_size():
+    if not _is_zero(opt) or n != dist.get_world_size():
         raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
                          f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
     opt.optim.load_state_dict(state["optimizer_shard"])
