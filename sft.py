@@ -28,9 +28,12 @@ Departures from the paper (which does not describe these details):
 """
 import contextlib, glob, json, math, os, random, shutil, sys, time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
+import transformers
 
 import executor
 from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
@@ -48,7 +51,6 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
     Returns (rank, local_rank, world_size, device).
     """
-    import numpy as np
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -57,9 +59,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+    transformers.set_seed(seed + rank)  # python, numpy, torch (CPU and CUDA)
     return rank, local_rank, world_size, device
 
 
@@ -104,22 +104,23 @@ class LogprobModel(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
-        assert not getattr(self.lm.config, "final_logit_softcapping", None), \
+        assert not getattr(getattr(self.lm, "config", None), "final_logit_softcapping", None), \
             "token_logprobs: final logit soft-capping is not supported"
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False).last_hidden_state  # (B, T, H)
+        body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else self.lm.lm_head
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # (B, T, H)
         B, T = input_ids.shape
         first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
         zero = torch.zeros(B, first, device=hidden.device)
-        logps, ents = [zero], [zero]
+        chunks = [(zero, zero)]  # (logprobs, entropies) of columns [0, first), then of each chunk
         for s in range(first - 1, T - 1, chunk_size):
             e = min(s + chunk_size, T - 1)
             h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
             # recompute the chunk's (B, C, V) logits in backward instead of keeping them
-            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, self.lm.get_output_embeddings(), h, tgt,
-                                                        temperature, entropy, use_reentrant=False)
-            logps.append(lp)
-            ents.append(ent)
+            chunks.append(torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
+                                                            use_reentrant=False))
+        logps, ents = zip(*chunks)
         return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
 
 
@@ -161,8 +162,7 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     if not fsdp:
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of a
@@ -172,7 +172,7 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
             gradient_as_bucket_view=True)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
@@ -340,17 +340,14 @@ def load_sft_data(data, tokenizer, max_len: int):
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
     eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer))
-    examples, dropped = [], 0
+    examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:
-            ex = build_example(tokenizer, problem, completion, outputs, eot)
+            examples.append(build_example(tokenizer, problem, completion, outputs, eot))
         except ValueError as e:
             raise executor.InputError(f"{where}: {e}") from e
-        if len(ex["ids"]) > max_len:
-            dropped += 1
-            continue
-        examples.append(ex)
-    return examples, dropped
+    kept = [e for e in examples if len(e["ids"]) <= max_len]
+    return kept, len(examples) - len(kept)
 
 
 def loss_mask_from_roles(roles: torch.Tensor, mask_outputs: bool = False) -> torch.Tensor:
@@ -362,10 +359,8 @@ def loss_mask_from_roles(roles: torch.Tensor, mask_outputs: bool = False) -> tor
 def collate(examples: list, pad_id: int, device="cpu") -> dict:
     """Right-pad examples into input_ids, attention_mask, position_ids and roles, all (B, T);
     padding has role ROLE_PAD and mask 0."""
-    def pad(key, value):
-        return nn.utils.rnn.pad_sequence([torch.tensor(e[key]) for e in examples], batch_first=True,
-                                         padding_value=value)
-    ids, roles = pad("ids", pad_id), pad("roles", ROLE_PAD)  # (B, T) long each
+    ids = pad_sequence([torch.tensor(e["ids"]) for e in examples], batch_first=True, padding_value=pad_id)  # (B, T)
+    roles = pad_sequence([torch.tensor(e["roles"]) for e in examples], batch_first=True, padding_value=ROLE_PAD)
     mask = (roles != ROLE_PAD).long()  # (B, T) from lengths
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "position_ids": position_ids_from_mask(mask).to(device), "roles": roles.to(device)}
@@ -407,9 +402,9 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
     "n_tokens"} summed over ranks (floats).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+    device = micro_batches[0]["input_ids"].device
     masks = [loss_mask_from_roles(mb["roles"], mask_outputs) for mb in micro_batches]
-    n_local = [float(sum(int(m.sum()) for m in masks)), float(sum(int(mb["attention_mask"].sum()) for mb in micro_batches))]
+    n_local = [sum(float(m.sum()) for m in masks), sum(float(mb["attention_mask"].sum()) for mb in micro_batches)]
     n_loss, n_tok = all_reduce(torch.tensor(n_local, device=device)).tolist()
     nll_sum = torch.zeros((), device=device)
     for k, (mb, mask) in enumerate(zip(micro_batches, masks)):
@@ -476,10 +471,11 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 
     out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
     this rank's `trainer_state` (the stage's entries: step, data position) as
-    trainer_state_rank{r}.pt, to which `optimizer` adds its state (`optimizer_state`), this
-    process's python / numpy / torch / CUDA RNG states and the world size (all that
-    `load_trainer_state` restores). Call on every rank (FSDP gathers the full state dict;
-    the ranks synchronise); rank 0 writes the model. A model loaded from GGUF (dense
+    trainer_state_rank{r}.pt, to which `optimizer` adds its state ("optimizer": the full
+    state dict, written by rank 0 under DDP; or under ZeRO "optimizer_shard": this rank's
+    share), this process's python / numpy / torch / CUDA RNG states and the world size (all
+    that `load_trainer_state` restores). Call on every rank (FSDP gathers the full state
+    dict; the ranks synchronise); rank 0 writes the model. A model loaded from GGUF (dense
     weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
@@ -503,17 +499,22 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 
 
 def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
-    import numpy as np
     sd = full_state_dict(model)
     if trainer_state is not None:
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         world = dist.get_world_size() if dist.is_initialized() else 1
         trainer_state = {**trainer_state, "rng": rng, "world_size": world}
-        # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
-        # memory and disk three times over saved per extra rank); RNG stays per rank
-        if optimizer is not None and (rank == 0 or _is_sharded(model.parameters()) or _is_zero(optimizer)):
-            trainer_state.update(optimizer_state(optimizer))
+        if optimizer is not None and _is_zero(optimizer):
+            # each rank writes its own share: consolidating on rank 0 would bring back the
+            # memory that sharding saves; the exposed (current) hyperparameters go with it
+            share = optimizer.optim.state_dict()
+            _copy_hyperparameters(share["param_groups"], optimizer.param_groups)
+            trainer_state["optimizer_shard"] = share
+        elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
+            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
+            # memory and disk three times over saved per extra rank); RNG stays per rank
+            trainer_state["optimizer"] = optimizer.state_dict()
         torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
     if rank == 0:
         lm = unwrap_model(model)
@@ -561,7 +562,6 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
         ckpt = newest_checkpoint(out)
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
-    return None
 
 
 def interrupted_note(out: str) -> str:
@@ -579,12 +579,9 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
     Raises:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
-    import numpy as np
     rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
     path = os.path.join(ckpt_dir, f"trainer_state_rank{_rank() if rank is None else rank}.pt")
-    path = path if os.path.exists(path) else rank0
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no trainer state in {ckpt_dir}")
+    path = path if os.path.exists(path) else rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
         # a DDP rank > 0: the optimizer is rank 0's
@@ -639,23 +636,11 @@ def _copy_hyperparameters(dst_groups, src_groups):
         dst.update({k: v for k, v in src.items() if k != "params"})
 
 
-def optimizer_state(opt) -> dict:
-    """The optimizer's entry of this rank's trainer state: {"optimizer": full state dict},
-    or under ZeRO {"optimizer_shard": this rank's share}, with the exposed (current)
-    hyperparameters. Each rank writes its own share: consolidating on rank 0 would bring
-    back the memory that sharding saves. The trainer state's "world_size" says how many
-    shares there are."""
-    if not _is_zero(opt):
-        return {"optimizer": opt.state_dict()}
-    share = opt.optim.state_dict()
-    _copy_hyperparameters(share["param_groups"], opt.param_groups)
-    return {"optimizer_shard": share}
-
-
 def load_optimizer_state(opt, state: dict, where: str):
-    """Restore what `optimizer_state` saved (in `state`, a trainer state with "world_size")
-    into `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share
-    only into ZeRO on as many ranks.
+    """Restore the optimizer entry of a trainer state (`state`, with "world_size"): a full
+    state dict ("optimizer"), or under ZeRO this rank's share ("optimizer_shard") into
+    `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share only
+    into ZeRO on as many ranks.
 
     Raises:
         ValueError naming `where` (the checkpoint) when the shares do not fit this run.
@@ -682,8 +667,7 @@ def parse_args(argv=None):
                    help="model directory, .gguf file or packaged model name")
     p.add_argument("--data", type=input_file, required=True, help="trajectory JSONL (problem, completion[, blocks])")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
-    p.add_argument("--resume", default=None, help="checkpoint directory to continue from exactly "
-                   "(its weights replace --model)")
+    p.add_argument("--resume", help="checkpoint directory to continue from exactly (its weights replace --model)")
     p.add_argument("--max-len", type=positive_int, default=32768, help="tokens per trajectory; longer ones are dropped")
     p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
     # optimisation
@@ -704,8 +688,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA (CPU is always fp32)")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
-    p.add_argument("--save-every", type=nonneg_int, default=0,
-                   help="checkpoint every N steps; 0 = only at the end")
+    p.add_argument("--save-every", type=nonneg_int, default=0, help="checkpoint every N steps; 0 = only at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
@@ -782,8 +765,8 @@ def main(argv=None):
         step += 1
         dt = time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
-               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]),
-               "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
+               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]), "tokens": int(m["n_tokens"]),
+               "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if rank == 0:
             executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
