@@ -51,6 +51,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
     Returns (rank, local_rank, world_size, device).
     """
+    from transformers import set_seed
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -59,7 +60,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
-    transformers.set_seed(seed + rank)  # python, numpy, torch (CPU and CUDA)
+    set_seed(seed + rank)  # python, numpy, torch (CPU and CUDA)
     return rank, local_rank, world_size, device
 
 
@@ -372,8 +373,7 @@ def step_indices(step: int, n_examples: int, global_batch: int, seed: int) -> li
     nothing else (not the world size), so a resumed or re-split run sees the same data."""
     steps_per_epoch = n_examples // global_batch
     epoch, k = divmod(step, steps_per_epoch)
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(n_examples, generator=g).tolist()
+    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     return perm[k * global_batch:(k + 1) * global_batch]
 
 
