@@ -241,8 +241,7 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
         With return_entropy, also entropy (B, T) of the distribution that predicted token t.
         Values at padding positions are meaningless (mask them, never multiply NaN by 0).
     """
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
+    position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
     if not (_is_ddp(model) or isinstance(model, LogprobModel)):
         model = LogprobModel(model)  # a bare Hugging Face model
     logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
