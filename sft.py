@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.utils.rnn import pad_sequence
-import transformers
 
 import executor
 from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
