@@ -26,19 +26,13 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib
-import glob
-import json
-import math
-import os
-import random
-import shutil
-import sys
-import time
+import contextlib, glob, json, math, os, random, shutil, sys, time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
 import executor
 from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
@@ -56,7 +50,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
     Returns (rank, local_rank, world_size, device).
     """
-    import numpy as np
+    from transformers import set_seed
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -65,9 +59,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+    set_seed(seed + rank)  # python, numpy, torch (CPU and CUDA)
     return rank, local_rank, world_size, device
 
 
@@ -103,15 +95,33 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 class LogprobModel(nn.Module):
     """The unit that DDP / FSDP wrap: forward = the causal LM's body once, then the chunked
-    head of `token_logprobs`. Everything that touches parameters runs inside this forward,
-    so DDP's reducer and FSDP's unshard hooks see it. `.lm` is the Hugging Face model."""
+    head (`token_logprobs` documents the arguments). Everything that touches parameters
+    runs inside this forward, so DDP's reducer and FSDP's unshard hooks see it. `.lm` is the
+    Hugging Face model."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, *args):
-        return _lm_token_logprobs(self.lm, *args)
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
+        assert not getattr(getattr(self.lm, "config", None), "final_logit_softcapping", None), \
+            "token_logprobs: final logit soft-capping is not supported"
+        body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else self.lm.lm_head
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # (B, T, H)
+        B, T = input_ids.shape
+        first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
+        zero = torch.zeros(B, first, device=hidden.device)
+        chunks = [(zero, zero)]  # (logprobs, entropies) of columns [0, first), then of each chunk
+        for s in range(first - 1, T - 1, chunk_size):
+            e = min(s + chunk_size, T - 1)
+            h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
+            # recompute the chunk's (B, C, V) logits in backward instead of keeping them
+            chunks.append(torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
+                                                            use_reentrant=False))
+        logps, ents = zip(*chunks)
+        return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
 
 
 def _is_ddp(model) -> bool:
@@ -152,8 +162,7 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     if not fsdp:
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of a
@@ -163,16 +172,14 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
             gradient_as_bucket_view=True)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
     assert layers, f"--fsdp: no decoder layers found in {type(model).__name__} (_no_split_modules)"
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    wrapped = LogprobModel(model)
-    fully_shard(wrapped, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
-    return wrapped
+    return fully_shard(LogprobModel(model), mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
 
 
 @contextlib.contextmanager
@@ -211,30 +218,6 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
-def _lm_token_logprobs(lm, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
-    assert not getattr(getattr(lm, "config", None), "final_logit_softcapping", None), \
-        "token_logprobs: final logit soft-capping is not supported"
-    body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else lm.lm_head
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # (B, T, H)
-    B, T = input_ids.shape
-    first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
-    logps, ents = [torch.zeros(B, first, device=hidden.device)], [torch.zeros(B, first, device=hidden.device)]
-    for s in range(first - 1, T - 1, chunk_size):
-        e = min(s + chunk_size, T - 1)
-        h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
-        if torch.is_grad_enabled() and h.requires_grad:
-            # recompute the chunk's (B, C, V) logits in backward instead of keeping them
-            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
-                                                        use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs(head, h, tgt, temperature, entropy)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
-
-
 def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_size: int = 1024,
                    temperature: float = 1.0, return_entropy: bool = False, start: int = 0):
     """Logprob of every token given the tokens before it, without materialising (B, T, V).
@@ -257,21 +240,17 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
         With return_entropy, also entropy (B, T) of the distribution that predicted token t.
         Values at padding positions are meaningless (mask them, never multiply NaN by 0).
     """
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
-    if _is_ddp(model) or isinstance(model, LogprobModel):
-        logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
-    else:
-        logp, ent = _lm_token_logprobs(model, input_ids, attention_mask, position_ids, chunk_size, temperature,
-                                       return_entropy, start)
+    position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
+    if not (_is_ddp(model) or isinstance(model, LogprobModel)):
+        model = LogprobModel(model)  # a bare Hugging Face model
+    logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
     return (logp, ent) if return_entropy else logp
 
 
 def first_loss_column(loss_mask: torch.Tensor) -> int:
     """(B, T) bool -> the first column holding a loss token in any row (0 if none): the
     `start` of `token_logprobs` for a batch."""
-    cols = loss_mask.any(dim=0).nonzero()
-    return int(cols[0]) if len(cols) else 0
+    return int(loss_mask.any(dim=0).int().argmax())  # argmax: the first maximum, 0 if all are 0
 
 
 def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normaliser):
@@ -283,11 +262,8 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
     token mean of the step (style rule 8). Masked positions contribute exactly 0 (where, not
     multiply, so a NaN there cannot leak); an all-masked batch gives 0, not NaN (tests/faults.md F5).
     """
-    assert logprobs.dim() == 2 and logprobs.shape == loss_mask.shape, (logprobs.shape, loss_mask.shape)
-    nll = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs))  # (B, T)
-    nll_sum = nll.sum()
-    norm = torch.as_tensor(normaliser, dtype=nll_sum.dtype, device=nll_sum.device).clamp(min=1.0)
-    return nll_sum / norm, {"nll_sum": nll_sum.detach(), "n_tokens": loss_mask.sum().detach()}
+    nll_sum = torch.where(loss_mask.bool(), -logprobs, torch.zeros_like(logprobs)).sum()
+    return nll_sum / max(float(normaliser), 1.0), {"nll_sum": nll_sum.detach(), "n_tokens": loss_mask.sum().detach()}
 
 
 # -----------------------------------------------------------------------------
@@ -302,8 +278,8 @@ def end_of_turn_id(tokenizer, stops) -> int:
     return next((t for t in tail if t in stops), tokenizer.eos_token_id)
 
 
-def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=None, where: str = "",
-                  eot: int | None = None, **template_kwargs) -> dict:
+def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: int | None = None,
+                  **template_kwargs) -> dict:
     """Token ids and per-token roles of one trajectory, exactly as the engine feeds them.
 
     The prompt is `executor.build_prompt_ids(tokenizer, problem, **template_kwargs)`
@@ -315,14 +291,10 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
     `eot` (default `end_of_turn_id`; ROLE_MODEL: the model must learn to stop). The
     assistant turn is never rendered through the chat template, which may render a past
     turn differently (strip reasoning, add an empty think block) from the turn generated.
-    Raises ValueError (prefixed with `where`) when `outputs` do not match the completion.
+    Raises ValueError when `outputs` do not match the completion.
     """
-    try:
-        segments = executor.split_completion(completion, outputs)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}" if where else str(e)) from None
     runs = [["", ROLE_MODEL]]  # [text, role]: model text, an output block, model text, ...
-    for seg in segments:
+    for seg in executor.split_completion(completion, outputs):
         if seg.kind == "output":
             runs += [[seg.text, ROLE_OUTPUT], ["", ROLE_MODEL]]
         else:
@@ -340,8 +312,7 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, stops=
         t = tokenizer.encode(text, add_special_tokens=False)
         ids += t
         roles += [role] * len(t)
-    if eot is None:
-        eot = end_of_turn_id(tokenizer, stops if stops is not None else executor.stop_token_ids(tokenizer))
+    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer)) if eot is None else eot
     return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
@@ -367,39 +338,28 @@ def load_sft_data(data, tokenizer, max_len: int):
     """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows).
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
-    stops = executor.stop_token_ids(tokenizer)
-    eot = end_of_turn_id(tokenizer, stops)
-    examples, dropped = [], 0
+    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer))
+    examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:
-            ex = build_example(tokenizer, problem, completion, outputs, stops, where, eot)
+            examples.append(build_example(tokenizer, problem, completion, outputs, eot))
         except ValueError as e:
-            raise executor.InputError(e if str(e).startswith(where) else f"{where}: {e}") from e
-        if len(ex["ids"]) > max_len:
-            dropped += 1
-            continue
-        examples.append(ex)
-    return examples, dropped
+            raise executor.InputError(f"{where}: {e}") from e
+    kept = [e for e in examples if len(e["ids"]) <= max_len]
+    return kept, len(examples) - len(kept)
 
 
 def loss_mask_from_roles(roles: torch.Tensor, mask_outputs: bool = False) -> torch.Tensor:
     """(B, T) roles -> (B, T) bool: model tokens, plus interpreter-output tokens unless
     `mask_outputs` (the ablation). Never derived from token ids (pad may equal EOS)."""
-    mask = roles == ROLE_MODEL
-    if not mask_outputs:
-        mask = mask | (roles == ROLE_OUTPUT)
-    return mask
+    return (roles == ROLE_MODEL) | ((roles == ROLE_OUTPUT) & (not mask_outputs))
 
 
 def collate(examples: list, pad_id: int, device="cpu") -> dict:
     """Right-pad examples into input_ids, attention_mask, position_ids and roles, all (B, T);
     padding has role ROLE_PAD and mask 0."""
-    T = max(len(e["ids"]) for e in examples)
-    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    roles = torch.full((len(examples), T), ROLE_PAD, dtype=torch.long)
-    for i, e in enumerate(examples):
-        ids[i, :len(e["ids"])] = torch.tensor(e["ids"])
-        roles[i, :len(e["roles"])] = torch.tensor(e["roles"])
+    ids = pad_sequence([torch.tensor(e["ids"]) for e in examples], batch_first=True, padding_value=pad_id)  # (B, T)
+    roles = pad_sequence([torch.tensor(e["roles"]) for e in examples], batch_first=True, padding_value=ROLE_PAD)
     mask = (roles != ROLE_PAD).long()  # (B, T) from lengths
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "position_ids": position_ids_from_mask(mask).to(device), "roles": roles.to(device)}
@@ -411,8 +371,7 @@ def step_indices(step: int, n_examples: int, global_batch: int, seed: int) -> li
     nothing else (not the world size), so a resumed or re-split run sees the same data."""
     steps_per_epoch = n_examples // global_batch
     epoch, k = divmod(step, steps_per_epoch)
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(n_examples, generator=g).tolist()
+    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     return perm[k * global_batch:(k + 1) * global_batch]
 
 
@@ -421,7 +380,6 @@ def micro_batches_for_rank(idx: list, lengths: list, micro: int, accum: int, wor
     micro-batches of `micro` sequences; micro-batch c goes to rank c % world at micro-step
     c // world, so ranks run similar lengths in lockstep and padding stays small.
     Returns this rank's `accum` lists of example indices."""
-    assert len(idx) == micro * accum * world, (len(idx), micro, accum, world)
     order = sorted(idx, key=lambda i: (lengths[i], i))
     chunks = [order[c * micro:(c + 1) * micro] for c in range(world * accum)]
     return [chunks[k * world + rank] for k in range(accum)]
@@ -442,9 +400,9 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
     "n_tokens"} summed over ranks (floats).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+    device = micro_batches[0]["input_ids"].device
     masks = [loss_mask_from_roles(mb["roles"], mask_outputs) for mb in micro_batches]
-    n_local = [float(sum(int(m.sum()) for m in masks)), float(sum(int(mb["attention_mask"].sum()) for mb in micro_batches))]
+    n_local = [sum(float(m.sum()) for m in masks), sum(float(mb["attention_mask"].sum()) for mb in micro_batches)]
     n_loss, n_tok = all_reduce(torch.tensor(n_local, device=device)).tolist()
     nll_sum = torch.zeros((), device=device)
     for k, (mb, mask) in enumerate(zip(micro_batches, masks)):
@@ -482,8 +440,8 @@ def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) 
 # Save / resume
 
 
-def _is_sharded(model) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP's parameters
+def _is_sharded(params) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in params)  # FSDP's parameters
 
 
 def full_state_dict(model, cpu_offload: bool = True) -> dict:
@@ -492,7 +450,7 @@ def full_state_dict(model, cpu_offload: bool = True) -> dict:
     rank 0 alone gets the tensors, on CPU; without (the GRPO rollout copy) every rank gets
     them on its device."""
     lm = unwrap_model(model)
-    if not _is_sharded(lm):
+    if not _is_sharded(lm.parameters()):
         return lm.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
@@ -511,10 +469,12 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 
     out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
     this rank's `trainer_state` (the stage's entries: step, data position) as
-    trainer_state_rank{r}.pt, to which `optimizer` adds its state, the RNG states and the
-    world size (all that `load_trainer_state` restores). Call on every rank (FSDP gathers
-    the full state dict; the ranks synchronise); rank 0 writes the model. A model loaded
-    from GGUF (dense weights, GGUF quantizer marker still attached) saves as plain safetensors.
+    trainer_state_rank{r}.pt, to which `optimizer` adds its state ("optimizer": the full
+    state dict, written by rank 0 under DDP; or under ZeRO "optimizer_shard": this rank's
+    share), this process's python / numpy / torch / CUDA RNG states and the world size (all
+    that `load_trainer_state` restores). Call on every rank (FSDP gathers the full state
+    dict; the ranks synchronise); rank 0 writes the model. A model loaded from GGUF (dense
+    weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
     if rank == 0:
@@ -539,22 +499,29 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
 def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
     sd = full_state_dict(model)
     if trainer_state is not None:
-        trainer_state = {**trainer_state, **_optimizer_and_rng_state(optimizer)}
-        if rank != 0 and not _is_sharded(model) and "optimizer" in trainer_state:
-            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth
-            # of memory and disk three times over saved per extra rank); RNG stays per rank
-            trainer_state = {k: v for k, v in trainer_state.items() if k != "optimizer"}
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        trainer_state = {**trainer_state, "rng": rng, "world_size": world}
+        if optimizer is not None and _is_zero(optimizer):
+            # each rank writes its own share: consolidating on rank 0 would bring back the
+            # memory that sharding saves; the exposed (current) hyperparameters go with it
+            share = optimizer.optim.state_dict()
+            _copy_hyperparameters(share["param_groups"], optimizer.param_groups)
+            trainer_state["optimizer_shard"] = share
+        elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
+            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
+            # memory and disk three times over saved per extra rank); RNG stays per rank
+            trainer_state["optimizer"] = optimizer.state_dict()
         torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
     if rank == 0:
         lm = unwrap_model(model)
-        qc = getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None) \
-            or getattr(lm.config, "quantization_config", None)
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
-        if "gguf" in str(getattr(method, "value", method)).lower():  # dequantized at load: drop the marker
+        qc = getattr(lm.config, "quantization_config", None) \
+            or getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None)
+        if "gguf" in str(getattr(qc, "quant_method", qc)).lower():  # dequantized at load: drop the marker
             assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
             lm.hf_quantizer = None
-            if hasattr(lm.config, "quantization_config"):
-                del lm.config.quantization_config
+            vars(lm.config).pop("quantization_config", None)
         lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "args.json"), "w") as f:
@@ -593,17 +560,6 @@ def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) ->
         ckpt = newest_checkpoint(out)
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
-    return None
-
-
-def _optimizer_and_rng_state(optimizer) -> dict:
-    """What `load_trainer_state` restores besides the stage's own entries: the optimizer
-    (`optimizer_state`), this process's python / numpy / torch / CUDA RNG states, the world size."""
-    import numpy as np
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return {**(optimizer_state(optimizer) if optimizer is not None else {}), "rng": rng, "world_size": world}
 
 
 def interrupted_note(out: str) -> str:
@@ -621,12 +577,9 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
     Raises:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
-    import numpy as np
     rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
     path = os.path.join(ckpt_dir, f"trainer_state_rank{_rank() if rank is None else rank}.pt")
-    path = path if os.path.exists(path) else rank0
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no trainer state in {ckpt_dir}")
+    path = path if os.path.exists(path) else rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
         # a DDP rank > 0: the optimizer is rank 0's
@@ -664,14 +617,13 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = F
     """
     params = list(params)
     kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    if shard and dist.is_initialized() and dist.get_world_size() > 1 \
-            and not any(type(p).__name__ == "DTensor" for p in params):
+    if shard and dist.is_initialized() and dist.get_world_size() > 1 and not _is_sharded(params):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
 
 
-def _is_sharded_optimizer(opt) -> bool:
+def _is_zero(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
@@ -682,23 +634,11 @@ def _copy_hyperparameters(dst_groups, src_groups):
         dst.update({k: v for k, v in src.items() if k != "params"})
 
 
-def optimizer_state(opt) -> dict:
-    """The optimizer's entry of this rank's trainer state: {"optimizer": full state dict},
-    or under ZeRO {"optimizer_shard": this rank's share}, with the exposed (current)
-    hyperparameters. Each rank writes its own share: consolidating on rank 0 would bring
-    back the memory that sharding saves. The trainer state's "world_size" says how many
-    shares there are."""
-    if not _is_sharded_optimizer(opt):
-        return {"optimizer": opt.state_dict()}
-    share = opt.optim.state_dict()
-    _copy_hyperparameters(share["param_groups"], opt.param_groups)
-    return {"optimizer_shard": share}
-
-
 def load_optimizer_state(opt, state: dict, where: str):
-    """Restore what `optimizer_state` saved (in `state`, a trainer state with "world_size")
-    into `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share
-    only into ZeRO on as many ranks.
+    """Restore the optimizer entry of a trainer state (`state`, with "world_size"): a full
+    state dict ("optimizer"), or under ZeRO this rank's share ("optimizer_shard") into
+    `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share only
+    into ZeRO on as many ranks.
 
     Raises:
         ValueError naming `where` (the checkpoint) when the shares do not fit this run.
@@ -707,7 +647,7 @@ def load_optimizer_state(opt, state: dict, where: str):
         opt.load_state_dict(state["optimizer"])  # ZeRO keeps its own share of a full state
         return
     n = state["world_size"]
-    if not _is_sharded_optimizer(opt) or n != dist.get_world_size():
+    if not _is_zero(opt) or n != dist.get_world_size():
         raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
                          f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
     opt.optim.load_state_dict(state["optimizer_shard"])
@@ -725,8 +665,7 @@ def parse_args(argv=None):
                    help="model directory, .gguf file or packaged model name")
     p.add_argument("--data", type=input_file, required=True, help="trajectory JSONL (problem, completion[, blocks])")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
-    p.add_argument("--resume", default=None, help="checkpoint directory to continue from exactly "
-                   "(its weights replace --model)")
+    p.add_argument("--resume", help="checkpoint directory to continue from exactly (its weights replace --model)")
     p.add_argument("--max-len", type=positive_int, default=32768, help="tokens per trajectory; longer ones are dropped")
     p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
     # optimisation
@@ -747,8 +686,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA (CPU is always fp32)")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
-    p.add_argument("--save-every", type=nonneg_int, default=0,
-                   help="checkpoint every N steps; 0 = only at the end")
+    p.add_argument("--save-every", type=nonneg_int, default=0, help="checkpoint every N steps; 0 = only at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
@@ -825,8 +763,8 @@ def main(argv=None):
         step += 1
         dt = time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
-               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]),
-               "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
+               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]), "tokens": int(m["n_tokens"]),
+               "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if rank == 0:
             executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
