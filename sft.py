@@ -334,15 +334,16 @@ def read_trajectories(path: str):
         yield where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None
 
 
-def load_sft_data(data, tokenizer, max_len: int):
-    """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows).
+def load_sft_data(data, tokenizer, max_len: int, system: str = executor.SYSTEM_PROMPT):
+    """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows) under
+    the system prompt `system` (the stateful one for trajectories distilled with --stateful).
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
     eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer))
     examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:
-            examples.append(build_example(tokenizer, problem, completion, outputs, eot))
+            examples.append(build_example(tokenizer, problem, completion, outputs, eot, system=system))
         except ValueError as e:
             raise executor.InputError(f"{where}: {e}") from e
     kept = [e for e in examples if len(e["ids"]) <= max_len]
@@ -668,6 +669,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", help="checkpoint directory to continue from exactly (its weights replace --model)")
     p.add_argument("--max-len", type=positive_int, default=32768, help="tokens per trajectory; longer ones are dropped")
     p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
+    p.add_argument("--stateful", action="store_true",
+                   help="trajectories distilled with --stateful: train under the stateful system prompt")
     # optimisation
     p.add_argument("--lr", type=positive_float, default=7e-6, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.0, help="cosine floor, fraction of --lr")
@@ -704,6 +707,9 @@ def main(argv=None):
         raise executor.InputError(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
                                   f"{args.micro_batch} x {world} ranks")
     rows = list(read_trajectories(args.data))  # bad rows end the run before the model loads
+    # distill.py's <stem>.args.json, when it is there, says which interpreter policy made the rows
+    executor.check_same_args(args.data.removesuffix(".jsonl") + ".args.json", args, ("stateful",),
+                             f"the trajectories in {args.data}")
     accum = args.global_batch // (args.micro_batch * world)
     print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
@@ -713,7 +719,8 @@ def main(argv=None):
 
     # 1) model (fp32 master weights) and data
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
-    examples, dropped = load_sft_data(rows, tokenizer, args.max_len)
+    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
+    examples, dropped = load_sft_data(rows, tokenizer, args.max_len, system)
     lengths = [len(e["ids"]) for e in examples]
     n_sup = sum(sum(r in (ROLE_MODEL, ROLE_OUTPUT) for r in e["roles"]) for e in examples)
     print0(f"{len(examples)} trajectories, {sum(lengths)} tokens ({n_sup} supervised); "

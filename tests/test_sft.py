@@ -574,3 +574,20 @@ def test_sharded_optimizer_state_needs_a_sharded_optimizer():
     assert type(opt) is torch.optim.AdamW
     with pytest.raises(ValueError, match=r"ckpt/latest: .*sharded over 2 ranks"):
         sft.load_optimizer_state(opt, {"optimizer_shard": {}, "world_size": 2}, "ckpt/latest")
+
+
+def test_stateful_trajectories_train_under_the_stateful_prompt(tmp_path, tokenizer):
+    """Rows distilled with --stateful are trained under the prompt they were made with
+    (the stateful system prompt), and sft.py refuses to mix the policies: the trajectories'
+    <stem>.args.json records distill's --stateful."""
+    path = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(1))
+    (plain,), _ = sft.load_sft_data(path, tokenizer, max_len=4096)
+    (stateful,), _ = sft.load_sft_data(path, tokenizer, max_len=4096, system=executor.SYSTEM_PROMPT_STATEFUL)
+    prompt = tokenizer.decode([t for t, r in zip(stateful["ids"], stateful["roles"]) if r == ROLE_PROMPT])
+    assert executor.SYSTEM_PROMPT_STATEFUL in prompt and executor.SYSTEM_PROMPT not in prompt
+    trajectory = [t for t, r in zip(plain["ids"], plain["roles"]) if r != ROLE_PROMPT]
+    assert [t for t, r in zip(stateful["ids"], stateful["roles"]) if r != ROLE_PROMPT] == trajectory
+    (tmp_path / "t.args.json").write_text(json.dumps({"stage": "distill", "stateful": True}))
+    with pytest.raises(executor.InputError, match="were made with --stateful True, this run has False"):
+        sft.main(["--model", str(tmp_path), "--data", path, "--out", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o")
