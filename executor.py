@@ -186,6 +186,15 @@ def _send(sock, **msg):
         sock.send(json.dumps(msg).encode())
 
 
+def _tmp_entries_needed() -> list:
+    """Names of the entries of the system /tmp that hold the interpreter, its packages or
+    this file (a venv or a clone under /tmp, as in CI): a contained block's private /tmp
+    would hide them, so they are bound into it again, read-only."""
+    paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.abspath(__file__), *sys.path)
+    real = [os.path.realpath(p) for p in paths if p]
+    return sorted({p.split("/")[2] for p in real if p.startswith("/tmp/")})
+
+
 def _block_child(req_fd, sock_fd, out_w, contain):
     """The forked child: becomes the fresh program `python -u block.py` would be, runs
     the block (after the earlier ones, in stateful mode) and exits as Python does. As a
@@ -196,8 +205,14 @@ def _block_child(req_fd, sock_fd, out_w, contain):
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
     if contain:
         _libc("unshare", _NEWNS)
+        system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
+        for name in _tmp_entries_needed():  # a venv or clone under /tmp: shown again, read-only
+            os.mkdir(f"/tmp/{name}")
+            _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
+            _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
+        os.close(system_tmp)
         _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
         _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS

@@ -996,6 +996,23 @@ def test_each_block_has_its_own_temp_space_and_shm(sb):
 
 
 @pytest.mark.timeout(60)
+def test_a_project_under_the_system_tmp_stays_readable_to_its_blocks(tmp_path):
+    """CI may clone the project and its venv under /tmp: a contained block's private /tmp
+    still shows them (read-only), or every lazy import from site-packages fails."""
+    if os.geteuid() != 0:
+        pytest.skip("containment (a private /tmp) is root-only")
+    shutil.copy(os.path.join(ROOT, "executor.py"), tmp_path)
+    target = str(tmp_path / "executor.py")
+    read, write = f"print(open({target!r}).read(3))", f"open({target!r}, 'a').write('x')"
+    code = ("import executor\nwith executor.Sandbox(timeout=10) as sb:\n"
+            f"    r, w = sb.run({read!r}), sb.run({write!r})\n"
+            "    print(sb.contained, r.status, r.output.strip(), w.status, 'Read-only file system' in w.output)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    assert p.stdout == 'True ok """ error True\n', p.stdout + p.stderr
+    assert open(target).read() == open(os.path.join(ROOT, "executor.py")).read()
+
+
+@pytest.mark.timeout(60)
 def test_worker_count_follows_cpu_affinity(tmpdir_for_blocks):
     code = ("import os, executor\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "with executor.Sandbox(timeout=3) as sb:\n    print(sb.workers)\n")
