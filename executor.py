@@ -198,7 +198,7 @@ def _tmp_entries_needed() -> list:
 def _block_child(req_fd, sock_fd, out_w, contain):
     """The forked child: becomes the fresh program `python -u block.py` would be, runs
     the block (after the earlier ones, in stateful mode) and exits as Python does. As a
-    contained block it has a private tmpfs /tmp (its directory) and /dev/shm, its
+    contained block it has a private tmpfs /tmp (its directory /tmp/thinc_block in it) and /dev/shm, its
     namespace's own /proc, and no capabilities (so it cannot remount anything)."""
     os.setsid()  # its own process group
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
@@ -213,6 +213,7 @@ def _block_child(req_fd, sock_fd, out_w, contain):
             _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
             _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
         os.close(system_tmp)
+        os.mkdir(req["cwd"])  # its own empty directory in the private /tmp
         _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
         _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
@@ -464,7 +465,7 @@ class Sandbox(contextlib.AbstractContextManager):
 
     def _run(self, code, prior, stateful) -> ExecResult:
         t0 = time.monotonic()
-        cwd = "/tmp" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
+        cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         req = os.memfd_create("thinc_block")
