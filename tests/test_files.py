@@ -3,7 +3,6 @@ writes, and assembling a packaged GGUF model from wheel chunks."""
 import hashlib
 import json
 import os
-import sys
 
 import pytest
 

@@ -12,7 +12,6 @@ on the machine cannot disturb the count.
 """
 import glob
 import importlib.util
-import json
 import os
 import random
 import re
