@@ -1,6 +1,9 @@
 """The project's own demo problem set: every answer is recomputed here by code."""
 import itertools
+import json
 import math
+import re
+import sys
 
 import pytest
 import sympy
@@ -33,3 +36,54 @@ def test_demo_answers_are_what_code_computes():
     assert [r["id"] for r in rows] == sorted(ANSWERS)
     for r in rows:
         assert r["answer"] == str(int(ANSWERS[r["id"]]())), r["id"]
+
+
+# data/make_exact.py: the "Does it learn?" problems (issue 20), each answer recomputed
+# another way than the generator's (sympy, or Python written differently).
+ROOT = __file__.rsplit("/tests/", 1)[0]
+sys.path.insert(0, f"{ROOT}/data")
+import make_exact  # noqa: E402
+
+PATTERNS = [
+    (r"What is (\d+) \\times (\d+)\?", lambda a, b: int(a) * int(b)),
+    (r"What is the remainder when \$(\d+)\^\{(\d+)\}\$ is divided by (\d+)\?",
+     lambda a, e, m: int(a) ** int(e) % int(m)),
+    (r"What is the sum of the digits of \$2\^\{(\d+)\}\$\?", lambda n: sum(map(int, format(1 << int(n), "d")))),
+    (r"What is the sum of all prime numbers less than (\d+)\?", lambda n: sum(sympy.primerange(2, int(n)))),
+    (r"How many positive divisors does (\d+) have\?", lambda n: sympy.divisor_count(int(n))),
+    (r"How many integers from 1 to (\d+) are divisible by (\d+) or (\d+) but not by (\d+)\?",
+     lambda n, a, b, c: len((set(range(int(a), int(n) + 1, int(a))) | set(range(int(b), int(n) + 1, int(b))))
+                           - set(range(int(c), int(n) + 1, int(c))))),
+]
+
+
+def recompute(problem: str) -> int:
+    for pattern, answer in PATTERNS:
+        m = re.fullmatch(pattern, problem)
+        if m:
+            return int(answer(*m.groups()))
+    raise AssertionError(f"no family matches {problem!r}")
+
+
+def test_exact_problems_answers_recomputed_and_held_out_disjoint(tmp_path):
+    train = make_exact.make(1, 120, set())
+    test = make_exact.make(2, 60, {r["problem"] for r in train})
+    for r in train + test:
+        assert r["answer"] == str(recompute(r["problem"])), r["problem"]
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert len({r["problem"] for r in test}) == 60
+    assert [recompute(r["problem"]) for r in test[:6]] == [int(r["answer"]) for r in test[:6]]
+    assert make_exact.make(2, 60, {r["problem"] for r in train}) == test  # seeded: the same set again
+
+
+def test_exact_problems_files_in_the_repo_are_what_the_script_writes():
+    train = [json.loads(line) for line in open(f"{ROOT}/data/exact_train.jsonl")]
+    test = [json.loads(line) for line in open(f"{ROOT}/data/exact_test.jsonl")]
+    assert train == make_exact.make(1, 400, set())
+    assert test == make_exact.make(2, 100, {r["problem"] for r in train})
+
+
+def test_exact_helpers_by_hand():
+    assert make_exact.primes_below(20) == [2, 3, 5, 7, 11, 13, 17, 19]
+    assert make_exact.primes_below(2) == []
+    assert [make_exact.divisor_count(n) for n in (1, 12, 36, 97)] == [1, 6, 9, 2]

@@ -1,0 +1,87 @@
+"""Problems whose answers need exact computation: the setting of the README's "Does it
+learn?" experiment (issue 20). Six families, drawn in turn from a seeded RNG: a product of
+a 4-5-digit and a 4-digit number, a^e mod m, the digit sum of 2^n, the sum of the primes
+below n, the divisor count of n, and an inclusion-exclusion count. An untrained small
+model mostly answers these in prose and gets them wrong; a short program gets them right.
+
+    python data/make_exact.py --seed 1 --n 400 --out data/exact_train.jsonl
+    python data/make_exact.py --seed 2 --n 100 --exclude data/exact_train.jsonl --out data/exact_test.jsonl
+
+Each line: {"id", "problem", "answer"}, the answer computed here by code (and recomputed
+another way in tests/test_data.py). A problem whose text is in an --exclude file is drawn
+again, so the held-out set shares no problem with the training set.
+"""
+import argparse
+import json
+import random
+
+
+def primes_below(n: int) -> list[int]:
+    """The primes p < n, by a sieve of Eratosthenes."""
+    sieve = [True] * max(n, 2)
+    sieve[0] = sieve[1] = False
+    for p in range(2, int(n**0.5) + 1):
+        if sieve[p]:
+            sieve[p * p::p] = [False] * len(range(p * p, n, p))
+    return [p for p in range(n) if sieve[p]]
+
+
+def divisor_count(n: int) -> int:
+    """The number of positive divisors of n >= 1, by trial division up to sqrt(n)."""
+    count = 0
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            count += 1 if d * d == n else 2
+        d += 1
+    return count
+
+
+def draw(rng: random.Random, family: int) -> tuple[str, int]:
+    """One problem of a family (0-5): (its text, its answer)."""
+    if family == 0:
+        a, b = rng.randint(1000, 99999), rng.randint(1000, 9999)
+        return f"What is {a} \\times {b}?", a * b
+    if family == 1:
+        a, e, m = rng.randint(2, 19), rng.randint(50, 300), rng.choice([97, 101, 999, 1000, 10007])
+        return f"What is the remainder when ${a}^{{{e}}}$ is divided by {m}?", pow(a, e, m)
+    if family == 2:
+        n = rng.randint(40, 200)
+        return f"What is the sum of the digits of $2^{{{n}}}$?", sum(int(c) for c in str(2**n))
+    if family == 3:
+        n = rng.randint(100, 2000)
+        return f"What is the sum of all prime numbers less than {n}?", sum(primes_below(n))
+    if family == 4:
+        n = rng.randint(1000, 100000)
+        return f"How many positive divisors does {n} have?", divisor_count(n)
+    n, a, b, c = rng.randint(200, 5000), rng.randint(2, 9), rng.randint(2, 13), rng.randint(2, 11)
+    count = sum(1 for x in range(1, n + 1) if (x % a == 0 or x % b == 0) and x % c != 0)
+    return f"How many integers from 1 to {n} are divisible by {a} or {b} but not by {c}?", count
+
+
+def make(seed: int, n: int, exclude: set[str]) -> list[dict]:
+    """n problems, families in turn, none whose text is in `exclude` or repeated."""
+    rng = random.Random(seed)
+    seen = set(exclude)
+    rows = []
+    while len(rows) < n:
+        problem, answer = draw(rng, len(rows) % 6)
+        if problem in seen:
+            continue
+        seen.add(problem)
+        rows.append({"id": f"exact-s{seed}-{len(rows):04d}", "problem": problem, "answer": str(answer)})
+    return rows
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seed", type=int, default=1, help="RNG seed")
+    p.add_argument("--n", type=int, default=400, help="problems to write")
+    p.add_argument("--exclude", nargs="*", default=[], help="JSONL files whose problems are not drawn")
+    p.add_argument("--out", required=True, help="JSONL to write")
+    args = p.parse_args()
+    excluded = {json.loads(line)["problem"] for path in args.exclude for line in open(path)}
+    with open(args.out, "w") as f:
+        for row in make(args.seed, args.n, excluded):
+            f.write(json.dumps(row) + "\n")
