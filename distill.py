@@ -26,7 +26,6 @@ prefilled.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
     torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
-    python distill.py --refresh-exemplars   # re-run the exemplar blocks, rewrite their outputs
 
 Departures from the paper:
   1. A fifth rule, 'unfinished': finish_reason must be 'stop' (EOS), so text cut at a budget
@@ -66,11 +65,6 @@ def split_completion(completion: str, where: str = ""):
     return plan, [(code.body, out.body) for code, out in zip(segs[::2], segs[1::2])], final
 
 
-def join_completion(plan: str, blocks, final: str) -> str:
-    """Inverse of split_completion, in the engine's exact format."""
-    return plan + "".join(f"```python\n{code}```\n```output\n{out}\n```\n" for code, out in blocks) + final
-
-
 def load_exemplars(path: str) -> list:
     """Read and check the few-shot exemplars: InputError naming the file and the exemplar
     unless each parses as plan / blocks / answer."""
@@ -78,23 +72,6 @@ def load_exemplars(path: str) -> list:
     for r in rows:
         split_completion(str(r.get("completion", "")), where=f"{path}: exemplar {r.get('id')!r}: ")
     return rows
-
-
-def refresh_exemplars(path: str, timeout: float = 10.0) -> None:
-    """Re-run every exemplar block in the sandbox and rewrite its output block with what
-    the sandbox printed (`output.rstrip("\\n")`, as the engine inserts it). Raises
-    ValueError if a block does not finish with status 'ok'."""
-    rows = load_exemplars(path)
-    with ex.Sandbox(workers=4, timeout=timeout) as sb:
-        for r in rows:
-            plan, blocks, final = split_completion(r["completion"])
-            results = sb.run_many([code for code, _ in blocks])
-            if failed := [f"block {i}: {res.status}\n{res.output}" for i, res in enumerate(results) if not res.ok]:
-                raise ValueError(f"{r['id']}: " + "\n".join(failed))
-            r["completion"] = join_completion(plan, [(c, res.output.rstrip("\n"))
-                                                     for (c, _), res in zip(blocks, results)], final)
-    ex.write_json_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(f"rewrote the output blocks of {path}")
 
 
 def teacher_prompt_ids(tokenizer, problem: str, exemplars, stateful: bool = False) -> list:
@@ -199,7 +176,6 @@ def parse_args(argv=None):
     p.add_argument("--allow-unfinished", action="store_true", help="keep samples cut by a budget (the paper's 4 rules)")
     # model
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--refresh-exemplars", action="store_true", help="only rewrite the exemplars' output blocks")
     return p.parse_args(argv)
 
 
@@ -208,8 +184,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.refresh_exemplars:
-        return refresh_exemplars(args.exemplars, args.exec_timeout)
     out, stem = args.out, args.out.removesuffix(".jsonl")
     rejected_path, args_path = f"{stem}.rejected.jsonl", f"{stem}.args.json"
     if os.path.isdir(out):

@@ -161,7 +161,9 @@ def test_exemplars_well_formed(tokenizer, exemplars):
     assert len(exemplars) == 3 and len({e["problem"] for e in exemplars}) == 3
     for e in exemplars:
         plan, blocks, final = distill.split_completion(e["completion"])
-        assert distill.join_completion(plan, blocks, final) == e["completion"]
+        # joined back in the engine's exact format, the parts give the exemplar back
+        joined = "".join(f"```python\n{code}```\n```output\n{out}\n```\n" for code, out in blocks)
+        assert plan + joined + final == e["completion"]
         assert e["answer"].isdigit() and final == f"\\boxed{{{e['answer']}}}"
         assert len(blocks) >= 3 and any("assert " in code for code, _ in blocks)
         assert plan.strip() and "```" not in plan
