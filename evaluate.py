@@ -63,11 +63,12 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def _by_problem(records) -> dict:
-    """(benchmark, id) -> that problem's records sorted by sample_idx."""
+def _group(records, *fields) -> dict:
+    """(the values of `fields`) -> the records that have them, sorted by sample_idx;
+    _group(records, "benchmark", "id") groups the samples of each problem."""
     groups = defaultdict(list)
     for r in sorted(records, key=lambda r: r["sample_idx"]):
-        groups[(r.get("benchmark"), r["id"])].append(r)
+        groups[tuple(r.get(f) for f in fields)].append(r)
     return groups
 
 
@@ -80,10 +81,7 @@ def avg_at_k(records) -> tuple:
     population std over runs (the paper's +-). Raises ValueError (statistics.StatisticsError)
     on no records.
     """
-    runs = defaultdict(list)
-    for r in records:
-        runs[r["sample_idx"]].append(bool(r["correct"]))
-    accs = [sum(v) / len(v) for v in runs.values()]
+    accs = [_mean(bool(r["correct"]) for r in run) for run in _group(records, "sample_idx").values()]
     return statistics.fmean(accs), statistics.pstdev(accs)
 
 
@@ -100,7 +98,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def mean_pass_at_k(records, k: int) -> float:
     """pass_at_k averaged over problems (n, c counted per problem). Raises ValueError (from
     pass_at_k) if some problem has fewer than k samples."""
-    return _mean(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k) for rs in _by_problem(records).values())
+    return _mean(pass_at_k(len(rs), sum(bool(r["correct"]) for r in rs), k)
+                 for rs in _group(records, "benchmark", "id").values())
 
 
 def majority_answer(records, equal=ex.grade):
@@ -113,11 +112,10 @@ def majority_answer(records, equal=ex.grade):
     answer."""
     groups = []   # in first-vote order
     for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
-        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), None)
-        if g:
-            g.append(r)
-        else:
-            groups.append([r])
+        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), [])
+        if not g:
+            groups.append(g)
+        g.append(r)
     # max() keeps the first of equal counts, and groups are in first-vote order
     return max(groups, key=len)[0] if groups else None
 
@@ -127,7 +125,7 @@ def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     with sample_idx < k; all samples when k is None) is correct. A problem with no
     answer at all counts as wrong."""
     voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
-             for rs in _by_problem(records).values()]
+             for rs in _group(records, "benchmark", "id").values()]
     return _mean(v is not None and bool(v["correct"]) for v in voted)
 
 
@@ -218,15 +216,13 @@ def trajectory_stats(records) -> dict:
     block and with no answer; finish_reasons: share of each finish_reason."""
     prose = [len(prose_after_plan(r["completion"]).split()) for r in records]
     finish = Counter(r["finish_reason"] for r in records)
+    fields = {"code_blocks": "n_code_blocks", "exec_errors": "n_exec_errors", "model_tokens": "model_tokens",
+              "completion_tokens": "completion_tokens", "plan_tokens": "plan_tokens"}
     return {
-        "code_lines": _mean(code_lines(r) for r in records),
-        "code_blocks": _mean(r["n_code_blocks"] for r in records),
-        "tool_calls": _mean(len(r["blocks"]) for r in records),
-        "exec_errors": _mean(r["n_exec_errors"] for r in records),
-        **{key: _mean(r[key] for r in records) for key in ("model_tokens", "completion_tokens", "plan_tokens")},
+        "code_lines": _mean(code_lines(r) for r in records), "tool_calls": _mean(len(r["blocks"]) for r in records),
+        **{name: _mean(r[field] for r in records) for name, field in fields.items()},
         "plan_share": _mean(r["plan_tokens"] / r["model_tokens"] for r in records if r["model_tokens"] > 0),
-        "prose_words_after_plan": _mean(prose),
-        "prose_after_plan_share": _mean(w > 0 for w in prose),
+        "prose_words_after_plan": _mean(prose), "prose_after_plan_share": _mean(w > 0 for w in prose),
         "no_code_share": _mean(r["n_code_blocks"] == 0 for r in records),
         "no_answer_share": _mean(r["pred"] is None for r in records),
         "finish_reasons": {k: c / len(records) for k, c in sorted(finish.items())},
@@ -245,22 +241,22 @@ def summarize(records) -> dict:
     trajectory_stats keys. Raises ValueError on no records."""
     if not records:
         raise ValueError("summarize: no records")
-    out = {}
-    for bench in sorted({r["benchmark"] for r in records}):
-        rs = [r for r in records if r["benchmark"] == bench]
-        sizes = [len(v) for v in _by_problem(rs).values()]
-        k = min(sizes)
-        ks = sorted({2 ** i for i in range(k.bit_length())} | {k})   # 2 ** (bit_length - 1) <= k
-        mean, std = avg_at_k(rs)
-        out[bench] = {
-            "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
-            "avg_at_k": mean, "avg_at_k_std": std, "maj_at_k": maj_at_k(rs),
-            "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
-            "code_grounded": dict(zip(("rate", "count"), code_grounded_rate(rs))),
-            "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j))) for j in RECOVERY_KS},
-            **trajectory_stats(rs),
-        }
-    return out
+    return {bench: _bench_metrics(rs) for (bench,), rs in sorted(_group(records, "benchmark").items())}
+
+
+def _bench_metrics(rs) -> dict:
+    """summarize's metrics of one benchmark's records."""
+    sizes = [len(v) for v in _group(rs, "benchmark", "id").values()]
+    k = min(sizes)
+    ks = sorted({2 ** i for i in range(k.bit_length())} | {k})   # 2 ** (bit_length - 1) <= k
+    return {
+        "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
+        **dict(zip(("avg_at_k", "avg_at_k_std"), avg_at_k(rs))), "maj_at_k": maj_at_k(rs),
+        "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
+        "code_grounded": dict(zip(("rate", "count"), code_grounded_rate(rs))),
+        "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j))) for j in RECOVERY_KS},
+        **trajectory_stats(rs),
+    }
 
 
 def _pct(x) -> str:
