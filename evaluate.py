@@ -277,21 +277,20 @@ def markdown_table(metrics: dict) -> str:
     avg@k when there are several) and diagnostics (per-trajectory means, code-grounded
     rate, Recovery@1..5 with their counts, finish-reason shares)."""
     acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |", "|---" * 6 + "|"]
-    for bench, m in metrics.items():
-        top = max(m["pass_at_k"], key=int)
-        acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
-                        _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
-    if len(metrics) > 1:
-        acc.append(f"| mean | | | {_pct(_mean(m['avg_at_k'] for m in metrics.values()))} | | |")
     diag = [_row("benchmark", "tool calls", "code lines", "errors", "model tokens", "plan share", "prose words",
                  "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),
             "|---" * (9 + len(RECOVERY_KS)) + "|"]
     for bench, m in metrics.items():
+        top = max(m["pass_at_k"], key=int)
+        acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
+                        _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
         rec = [f"{_pct(r['value'])} ({r['count']})" for r in (m["recovery"][str(j)] for j in RECOVERY_KS)]
         ends = " / ".join(_pct(m["finish_reasons"].get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
         diag.append(_row(bench, _num(m["tool_calls"]), _num(m["code_lines"]), _num(m["exec_errors"]),
                          _num(m["model_tokens"], 0), _pct(m["plan_share"]), _num(m["prose_words_after_plan"]),
                          _pct(m["code_grounded"]["rate"]), *rec, ends))
+    if len(metrics) > 1:
+        acc.append(f"| mean | | | {_pct(_mean(m['avg_at_k'] for m in metrics.values()))} | | |")
     return "\n".join(acc) + "\n\n" + "\n".join(diag) + "\n"
 
 
@@ -319,17 +318,15 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
     """
     rows, seen = [], {}
     for lineno, row in ex.read_jsonl(path, torn_tail_ok):
-        missing = [k for k in FIELD_TYPES if k not in row]
-        if missing:
+        if missing := [k for k in FIELD_TYPES if k not in row]:
             raise ex.InputError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         for k, t in FIELD_TYPES.items():
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
                 want = getattr(t, "__name__", "str or null")
                 raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
-        if key in seen:
+        if seen.setdefault(key, lineno) != lineno:   # the line of the key's first row
             raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
-        seen[key] = lineno
         rows.append(row)
     return rows
 
@@ -361,8 +358,7 @@ SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "temperat
 
 
 def parse_args(argv=None):
-    p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, then avg@k, pass@k, maj@k, "
-                          "code-grounded rate, Recovery@k and trajectory diagnostics. Launch with python or torchrun.")
+    p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, avg@k, pass@k, maj@k, diagnostics.")
     demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
     # model and data
     p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY, help="HF dir, .gguf or packaged name")
@@ -389,8 +385,7 @@ def parse_args(argv=None):
     # no model
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from DIR/samples.jsonl (no model)")
     p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
-    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead (needs matplotlib): training "
-                   "curves from a grpo.py run's metrics.jsonl, diagnostics from an evaluation's samples.jsonl")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead: GRPO curves, eval diagnostics")
     return p.parse_args(argv)
 
 
@@ -438,9 +433,8 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     its args.json, and every saved sample one of this run's work items (benchmark, id,
     sample_idx < k) made for the same problem and answer (the data files may have
     changed). Raises InputError saying what differs."""
-    if not done:
-        return
-    ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
+    if done:
+        ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
     for key, row in done.items():
         q = problems.get(key[:2])
