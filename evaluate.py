@@ -353,8 +353,9 @@ def merged_samples(out_dir: str) -> dict:
 
 # the run's identity: everything that decides which samples exist and what they are (waves
 # depend on the data, --limit, --batch-size and k). A run folder is resumed only with the same.
-SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "temperature", "top_p", "top_k",
-                 "max_context", "max_new_tokens", "max_tool_calls", "seed", "exec_timeout", "stateful")
+# ROLLOUT_ARGS are also executor.rollout's keyword arguments of the same names.
+ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
+SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "seed", "exec_timeout", *ROLLOUT_ARGS)
 
 
 def parse_args(argv=None):
@@ -585,13 +586,12 @@ def run(args) -> None:
     rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
         todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
-        n_problems = sum(len(qs) for qs in benches.values())
-        print0(f"{len(benches)} benchmarks, {n_problems} problems x k {args.k} = {n_problems * args.k} samples in "
-               f"{len(waves)} waves of <= {args.batch_size} problems; {world} ranks (rank r runs waves "
-               f"w % {world} == r); {len(done)} samples already in {args.out}")
-        os.makedirs(args.out, exist_ok=True)
-        if rank == 0:
-            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+        n_samples = sum(len(w["problems"]) for w in waves) * args.k
+        print0(f"{len(benches)} benchmarks, {n_samples} samples (k {args.k}) in {len(waves)} waves of <= "
+               f"{args.batch_size} problems; {world} ranks (rank r runs waves w % {world} == r); "
+               f"{len(done)} samples already in {args.out}")
+        os.makedirs(args.out, exist_ok=True)   # every rank writes the same args.json, each atomically
+        ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.
@@ -609,18 +609,15 @@ def run(args) -> None:
                 raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                     f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                     "raise it, or remove those problems")
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // local_ranks)
-            with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+            cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))   # per rank on this node
+            with ex.Sandbox(workers=args.exec_workers or max(1, cpus), timeout=args.exec_timeout) as sandbox:
                 for wi, w in enumerate(todo):
                     t0, ids = time.time(), [q["id"] for q in w["problems"]]
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
-                    samples = ex.rollout(
-                        model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
-                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_context=args.max_context,
-                        max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls,
-                        seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(), stateful=args.stateful)
+                    samples = ex.rollout(model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
+                                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(),
+                                         **{a: getattr(args, a) for a in ROLLOUT_ARGS})
                     # samples[n] is work item n of the wave (problem-major); its seed is the call's
                     rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
                              "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
