@@ -444,7 +444,7 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
                              "(the data files changed?): use another --out")
 
 
-def write_report(out_dir: str, args_dict: dict) -> dict:
+def write_report(out_dir: str, args_dict: dict) -> None:
     """Metrics of out_dir/samples.jsonl: writes metrics.json ({"args": args_dict,
     "benchmarks"}) and metrics.md, prints the tables, warns when most samples of a
     benchmark ended on a budget. The same function serves a run and --from-samples, so
@@ -463,7 +463,6 @@ def write_report(out_dir: str, args_dict: dict) -> dict:
         if length + tools > 0.5:
             print(f"WARNING: {bench}: {length + tools:.0%} of samples ended on a budget (length {length:.0%}, "
                   f"tool_budget {tools:.0%}): raise --max-context / --max-tool-calls", file=sys.stderr, flush=True)
-    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -480,40 +479,34 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str, title: str) -> None:
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    _pyplot().close(fig)
-
-
-def plot_training_curves(rows, path: str, title: str) -> None:
+def plot_training_curves(rows):
     """Training curves like the paper's Fig. 3 from metrics.jsonl rows (grpo.py), one panel
     each per step: reward and accuracy; model tokens per sample (response length); tool
-    calls and execution errors per sample; share of groups with zero reward variance."""
+    calls and execution errors per sample; share of groups with zero reward variance.
+    Returns the figure."""
     steps = [m["step"] for m in rows]
-    panels = [("reward / accuracy", [("reward mean", "reward_mean"), ("accuracy", "accuracy")]),
-              ("model tokens per sample", [("model tokens", "model_tokens_per_sample")]),
-              ("tool calls per sample", [("tool calls", "tool_calls_per_sample"),
-                                         ("execution errors", "exec_errors_per_sample")]),
-              ("zero-variance groups (no signal)", [("share of groups", "zero_var_share")])]
+    share = (-0.05, 1.05)   # the y range of a share or an accuracy; None: matplotlib's
+    panels = [("reward / accuracy", share, {"reward mean": "reward_mean", "accuracy": "accuracy"}),
+              ("model tokens per sample", None, {"model tokens": "model_tokens_per_sample"}),
+              ("tool calls per sample", None, {"tool calls": "tool_calls_per_sample",
+                                               "execution errors": "exec_errors_per_sample"}),
+              ("zero-variance groups (no signal)", share, {"share of groups": "zero_var_share"})]
     fig, axes = _pyplot().subplots(1, 4, figsize=(14, 3.2))
-    for ax, (name, series) in zip(axes, panels):
-        for j, (label, key) in enumerate(series):  # the second dashed: reward = accuracy by default
+    for ax, (name, ylim, series) in zip(axes, panels):
+        for j, (label, key) in enumerate(series.items()):  # the second dashed: reward = accuracy by default
             ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
-        ax.set(title=name, xlabel="GRPO step", **({"xticks": steps} if len(steps) <= 10 else {}))
+        ax.set(title=name, xlabel="GRPO step", ylim=ylim, **({"xticks": steps} if len(steps) <= 10 else {}))
         if len(series) > 1:
             ax.legend()
-    for ax in (axes[0], axes[3]):
-        ax.set_ylim(-0.05, 1.05)
-    _save(fig, path, title)
+    return fig
 
 
-def plot_diagnostics(records, path: str, title: str) -> None:
+def plot_diagnostics(records):
     """The THINC diagnostics like the paper's Figs. 4-5 from samples.jsonl rows, per
     benchmark: the distribution of code lines per trajectory, Recovery@k (k = 1..5;
     accuracy after k failed first blocks, with the count of such samples) and the
-    code-grounded rate (share of answers that appear in an execution output)."""
+    code-grounded rate (share of answers that appear in an execution output). Returns the
+    figure."""
     metrics = summarize(records)
     fig, (a, b, c) = _pyplot().subplots(1, 3, figsize=(14, 3.4))
     width = 0.8 / len(metrics)
@@ -536,7 +529,7 @@ def plot_diagnostics(records, path: str, title: str) -> None:
           xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
     a.legend()
     b.legend()
-    _save(fig, path, title)
+    return fig
 
 
 def plot_run(run_dir: str) -> list:
@@ -553,8 +546,12 @@ def plot_run(run_dir: str) -> list:
             rows = read(path)
             if not rows:
                 raise ex.InputError(f"{path}: no {unit}")
+            fig = plot(rows)
+            fig.suptitle(f"{what}, {run_dir} ({len(rows)} {unit})", fontsize=11)
+            fig.tight_layout()
             written.append(os.path.join(run_dir, png))
-            plot(rows, written[-1], f"{what}, {run_dir} ({len(rows)} {unit})")
+            fig.savefig(written[-1], dpi=80)
+            _pyplot().close(fig)
     if not written:
         raise ex.InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
     return written
