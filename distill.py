@@ -116,9 +116,8 @@ def summarize(kept: list, rejected: list) -> dict:
     n = len(rows)
     fails = {r: sum(r in row["reasons"] for row in rejected) for r in RULES}
     return {
-        "trajectories": n, "kept": len(kept), "rejected": len(rejected),
-        "acceptance_rate": len(kept) / n if n else None,
-        "failed": {r: {"count": c, "share": c / n if n else None} for r, c in fails.items()},
+        "trajectories": n, "kept": len(kept), "acceptance_rate": len(kept) / n if n else None,
+        "rejected": len(rejected), "failed": {r: {"count": c, "share": c / n if n else None} for r, c in fails.items()},
         "only_failed": {r: sum(row["reasons"] == [r] for row in rejected) for r in RULES},
         "mean_blocks": fmean(r["n_code_blocks"] for r in rows) if rows else None,
         "mean_blocks_kept": fmean(r["n_code_blocks"] for r in kept) if kept else None,
