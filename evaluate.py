@@ -584,8 +584,8 @@ def run(args) -> None:
     try:
         todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
         n_samples = sum(len(w["problems"]) for w in waves) * args.k
-        print0(f"{len(benches)} benchmarks, {n_samples} samples (k {args.k}) in {len(waves)} waves of <= "
-               f"{args.batch_size} problems; {world} ranks (rank r runs waves w % {world} == r); "
+        print0(f"{n_samples} samples ({len(benches)} benchmarks, k {args.k}), {len(waves)} waves of <= "
+               f"{args.batch_size} problems, {world} ranks (rank r runs waves w % {world} == r); "
                f"{len(done)} samples already in {args.out}")
         os.makedirs(args.out, exist_ok=True)   # every rank writes the same args.json, each atomically
         ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
