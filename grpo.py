@@ -548,21 +548,13 @@ def parse_args(argv=None):
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
-    # optimisation
+    # optimisation and run
     p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
-    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
-    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head chunk")
-    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--shard-optimizer", action="store_true", help="with DDP: ZeRO-1, AdamW state sharded over ranks")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
-    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
-    # run
-    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
     p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
+    # the flags shared with sft.py: --micro-batch, --weight-decay, --grad-clip, --chunk-size, --seed,
+    # --fsdp, --shard-optimizer, --grad-checkpointing, --fp32, --no-progress
+    sft.add_training_args(p)
     return p.parse_args(argv)
 
 
@@ -617,13 +609,10 @@ def main(argv=None, reward_fn=None):
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     step = 0
     if args.resume:
-        st = sft.load_trainer_state(args.resume, optimizer)
+        st = sft.load_trainer_state(args.resume, optimizer,
+                                    logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
         step = st["step"]
         stream.load_state_dict(st["data"])
-        sft.print0(f"resumed from {args.resume} at step {step}")
-        if rank == 0:
-            for name in ("metrics.jsonl", "pass_rates.jsonl"):
-                executor.trim_jsonl_steps(os.path.join(args.out, name), step)
 
     # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout wave for the summary
     show_bars, latest, last = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), {}
