@@ -298,8 +298,7 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         olds = {(k, j): _logprobs(model, mb, args, d, False)
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
-    acc = dict.fromkeys(TRAIN_SUMS, 0.0)
-    grad_norm = 0.0
+    sums, grad_norm = [], 0.0
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
@@ -313,15 +312,13 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 loss, met = policy_loss(lp, olds[k, j] if k > 0 else lp.detach(), mb["advantages"].to(d.device),
                                         mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
                 loss.backward()
-            # sums stay on the device until the end (no host sync inside the loop)
-            for name in TOKEN_MEANS:
-                acc[name] += met[name].double() * met["tokens"]
-            acc["loss_tokens"] += met["tokens"].double()
+            # sums over loss tokens stay on the device until the end (no host sync inside the loop)
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            acc["sampler_logprob_gap"] += torch.where(mask, gap, 0.0).sum().double()
+            sums.append({"loss_tokens": met["tokens"], "sampler_logprob_gap": torch.where(mask, gap, 0.0).sum(),
+                         **{name: met[name].double() * met["tokens"] for name in TOKEN_MEANS}})
             progress.update()
         grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
-    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm,
+    return {**{k: float(sum(s[k].double() for s in sums)) for k in TRAIN_SUMS}, "grad_norm": grad_norm,
             "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
 
 
