@@ -439,22 +439,19 @@ class PromptStream:
         assert problems, "no problems to draw from"
         self.problems, self.seed, self.rank, self.world = problems, seed, rank, world_size
         self.fingerprint = hashlib.sha256("\n".join(str(p["id"]) for p in problems).encode()).hexdigest()[:16]
-        self._start(0, 0)
-
-    def _start(self, epoch: int, offset: int):
-        self.epoch, self.offset = epoch, offset
-        self._order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.problems)), len(self.problems))
+        self.epoch, self.offset = 0, 0
 
     def next(self, n_global: int) -> list:
         """This rank's share (n_global / world_size problems) of the next global batch."""
         assert n_global % self.world == 0, (n_global, self.world)
-        batch = []
-        for _ in range(n_global):
-            if self.offset == len(self._order):
-                self._start(self.epoch + 1, 0)
-            batch.append(self.problems[self._order[self.offset]])
-            self.offset += 1
-        return batch[self.rank::self.world]
+        n, batch = len(self.problems), []
+        while len(batch) < n_global:
+            if self.offset == n:
+                self.epoch, self.offset = self.epoch + 1, 0
+            order = random.Random(self.seed * 1_000_003 + self.epoch).sample(range(n), n)  # this epoch's permutation
+            take = order[self.offset:self.offset + n_global - len(batch)]
+            batch, self.offset = batch + take, self.offset + len(take)
+        return [self.problems[i] for i in batch[self.rank::self.world]]
 
     def state_dict(self):
         return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
@@ -462,11 +459,10 @@ class PromptStream:
     def load_state_dict(self, state):
         """Continue where a checkpoint stopped. A different problem list (another file, or
         --drop-solved) cannot continue a permutation: it starts a fresh one at epoch + 1."""
-        if state["fingerprint"] == self.fingerprint:
-            self._start(state["epoch"], state["offset"])
-        else:
+        same = state["fingerprint"] == self.fingerprint
+        if not same:
             sft.print0(f"problem list differs from the checkpoint's: new order from epoch {state['epoch'] + 1}")
-            self._start(state["epoch"] + 1, 0)
+        self.epoch, self.offset = (state["epoch"], state["offset"]) if same else (state["epoch"] + 1, 0)
 
 
 # Progress and the end-of-run summary
