@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, json, math, os, random, shutil, sys, time
+import contextlib, glob, math, os, random, shutil, sys, time
 
 import numpy as np
 import torch
