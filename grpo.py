@@ -21,7 +21,7 @@ one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run sum
 command line and the training loop.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
-Writes under --out: latest/ and step_NNNNNN/ (HF model dir + trainer_state_rank{r}.pt:
+Writes under --out: latest/ (HF model dir + trainer_state_rank{r}.pt:
 optimizer unless --no-save-optimizer, step, data position, RNG), metrics.jsonl (a line per
 step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, reward), args.json.
 
@@ -41,19 +41,13 @@ whose x G sequences share the KV cache. --save-every: steps between writes of ou
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
 Departures from the paper (which does not describe these details):
-  1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged);
-     --dynamic-sampling (DAPO) draws more prompts and keeps surplus groups.
+  1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged),
+     not replaced by more draws (DAPO's dynamic sampling).
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
 """
-import argparse
-import copy
-import hashlib
-import os
-import random
-import sys
-import time
+import argparse, copy, hashlib, os, random, sys, time
 from dataclasses import dataclass
 
 import torch
@@ -273,7 +267,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     Args:
         model: the policy as `sft.wrap_model` returned it, in train mode.
         samples: this rank's samples to learn from; advantages: (len(samples),).
-        progress: optional callable (micro-batches done, total), called before each one.
+        progress: optional tqdm bar; its total is set to the micro-batches to run, and it
+            advances by one after each.
     Returns:
         dict of this rank's sums (TRAIN_SUMS: loss tokens, and clip counts, KL, entropy and
         |trainer - sampler| logprob gap summed over loss tokens) plus grad_norm (sum over
@@ -294,6 +289,8 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
     n_micro = sft.all_reduce(torch.tensor([len(m) for m in minis], device=d.device), dist.ReduceOp.MAX).tolist()
     for k, m in enumerate(minis):
         m += [dummy_batch(pad_id) for _ in range(n_micro[k] - len(m))]
+    progress = tqdm(disable=True) if progress is None else progress
+    progress.reset(total=sum(n for n, t in zip(n_micro, tokens) if t > 0))
     # 3) old logprobs: the trainer's own forward before any update. Mini-batch 0 uses its
     #    first forward, detached (the same computation), so its ratio is exactly 1; later
     #    mini-batches need a no-grad pass now, before the first optimizer step.
@@ -301,14 +298,11 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         olds = {(k, j): _logprobs(model, mb, args, d, False)
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
-    acc = dict.fromkeys(TRAIN_SUMS, 0.0)
-    grad_norm = 0.0
+    sums, grad_norm = [], 0.0
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
         for j, mb in enumerate(minis[k]):
-            if progress:
-                progress(sum(n_micro[:k]) + j, sum(n_micro))
             # gradients are all-reduced on the last micro-step only (sft.grad_sync)
             with sft.grad_sync(model, sync=j == n_micro[k] - 1):
                 lp, ent = _logprobs(model, mb, args, d, True)  # (B, T), (B, T)
@@ -318,14 +312,13 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
                 loss, met = policy_loss(lp, olds[k, j] if k > 0 else lp.detach(), mb["advantages"].to(d.device),
                                         mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
                 loss.backward()
-            # sums stay on the device until the end (no host sync inside the loop)
-            for name in TOKEN_MEANS:
-                acc[name] += met[name].double() * met["tokens"]
-            acc["loss_tokens"] += met["tokens"].double()
+            # sums over loss tokens stay on the device until the end (no host sync inside the loop)
             gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            acc["sampler_logprob_gap"] += torch.where(mask, gap, 0.0).sum().double()
+            sums.append({"loss_tokens": met["tokens"], "sampler_logprob_gap": torch.where(mask, gap, 0.0).sum(),
+                         **{name: met[name].double() * met["tokens"] for name in TOKEN_MEANS}})
+            progress.update()
         grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
-    return {**{k: float(v) for k, v in acc.items()}, "grad_norm": grad_norm,
+    return {**{k: float(sum(s[k].double() for s in sums)) for k in TRAIN_SUMS}, "grad_norm": grad_norm,
             "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
 
 
@@ -345,7 +338,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
         reward_fn: (sample, problem) -> float, called for every sample; default
             `answer_reward` (the paper's), looked up at each call.
         rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
-        progress: passed to `update_policy`.
+        progress: passed to `update_policy` (a tqdm bar of micro-batches).
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
          records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere)).
@@ -353,36 +346,25 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist,
     reward_fn = reward_fn or answer_reward
     G = args.group_size
     t0 = time.perf_counter()
-    # 1) rollouts -> rewards -> group advantages; groups with equal rewards are dropped.
-    #    With --dynamic-sampling, more rounds until the step has enough groups with signal.
-    kept, kept_adv, rounds, t_exec = [], [], [], 0.0
-    while True:
-        problems = draw()
-        samples, secs = collect_rollouts(policy, tokenizer, problems, sandbox, args,
-                                         mix_seed(args.seed, step, d.rank, len(rounds)), rollout_fn)
-        rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
-        signal = ~constant_groups(rewards, G).repeat_interleave(G)  # (N,)
-        kept += [s for s, keep in zip(samples, signal.tolist()) if keep]
-        kept_adv.append(group_advantages(rewards, G)[signal])
-        rounds.append((problems, samples, rewards))
-        t_exec += secs
-        # every rank takes the same branch: the first two tests agree, the count is global
-        if (not args.dynamic_sampling or len(rounds) >= args.max_sampling_rounds
-                or int(sft.all_reduce(torch.tensor(len(kept) // G, device=d.device))) >= args.prompts_per_step):
-            break
-
-    # 2) the update, on the kept groups only
+    # 1) rollouts: G samples for each of this rank's problems
+    problems = draw()
+    seed = mix_seed(args.seed, step, d.rank, 0)  # (the trailing 0 keeps the seeds of earlier versions' runs)
+    samples, t_exec = collect_rollouts(policy, tokenizer, problems, sandbox, args, seed, rollout_fn)
+    # 2) rewards -> group advantages; groups with equal rewards carry no signal and are dropped
+    rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
+    signal = ~constant_groups(rewards, G).repeat_interleave(G)  # (N,)
+    kept = [s for s, keep in zip(samples, signal.tolist()) if keep]
+    # 3) the update, on the kept groups only
     t1 = time.perf_counter()
-    upd = update_policy(model, optimizer, kept, torch.cat(kept_adv), args, d, tokenizer.pad_token_id or 0, progress)
+    upd = update_policy(model, optimizer, kept, group_advantages(rewards, G)[signal], args, d,
+                        tokenizer.pad_token_id or 0, progress)
     times = [t1 - t0 - t_exec, t_exec, time.perf_counter() - t1]  # rollout (less the stalls), exec stalls, training
-    return step_metrics(step, rounds, upd, times, G, optimizer, d)
+    return step_metrics(step, problems, samples, rewards, upd, times, G, optimizer, d)
 
 
 # -----------------------------------------------------------------------------
 # Bookkeeping: metrics and pass rates
 
-ROLLOUT_SUMS = ("samples", "reward", "correct", "groups", "zero_var_groups", "model_tokens", "tool_calls",
-                "exec_errors", "finish_stop", "finish_length", "finish_tool_budget")  # the same order on every rank
 SHARES = {  # metric: (numerator, denominator), sums over the step's samples on every rank
     "reward_mean": ("reward", "samples"), "accuracy": ("correct", "samples"),
     "zero_var_share": ("zero_var_groups", "groups"), "model_tokens_per_sample": ("model_tokens", "samples"),
@@ -392,38 +374,35 @@ SHARES = {  # metric: (numerator, denominator), sums over the step's samples on 
 }
 
 
-def step_metrics(step: int, rounds: list, upd: dict, times: list, G: int, optimizer, d: Dist):
-    """The step's metrics (reduced over ranks; the slowest rank's times) and per-prompt pass
-    rates (gathered on rank 0) from each sampling round's (problems, samples, rewards) and
-    `update_policy`'s sums. Training metrics are None when no group had signal (not a
+def step_metrics(step: int, problems, samples, rewards, upd: dict, times: list, G: int, optimizer, d: Dist):
+    """The step's metrics and per-prompt pass rates, computed in one place from this rank's
+    problems, samples and (N,) rewards and `update_policy`'s sums: every count is summed
+    over ranks in one all-reduce, the times are the slowest rank's, the records are
+    gathered on rank 0. Training metrics are None when no group had signal (not a
     misleading 0). Returns (metrics, records) as `grpo_step`."""
-    S, records = dict.fromkeys(ROLLOUT_SUMS, 0.0), []
-    for problems, samples, rewards in rounds:
-        correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)]).reshape(-1, G)
-        for prob, c, r in zip(problems, correct.sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist()):
-            records.append({"step": step, "id": prob["id"], "n": G, "correct": c, "reward": r})
-        S["zero_var_groups"] += int(constant_groups(rewards, G).sum())
-        for s in samples:
-            S["model_tokens"] += s.n_model_tokens
-            S["tool_calls"] += len(s.blocks or [])
-            S["exec_errors"] += sum(b["status"] != "ok" for b in s.blocks or [])
-            S["finish_" + s.finish_reason] += 1  # a KeyError for an unknown reason: keys must match across ranks
-    S.update(groups=len(records), samples=G * len(records), correct=sum(r["correct"] for r in records),
-             reward=sum(r["reward"] for r in records))  # this rank's records: not yet gathered
-    sums = torch.tensor([*S.values(), *(upd[k] for k in TRAIN_SUMS)], dtype=torch.float64, device=d.device)
-    tot = dict(zip([*S, *TRAIN_SUMS], sft.all_reduce(sums).tolist()))
+    correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)])  # (N,)
+    records = [{"step": step, "id": p["id"], "n": G, "correct": c, "reward": r} for p, c, r in
+               zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist())]
+    statuses = [b["status"] for s in samples for b in s.blocks or []]
+    sums = {"samples": len(samples), "groups": len(problems), "reward": rewards.sum(), "correct": correct.sum(),
+            "zero_var_groups": constant_groups(rewards, G).sum(), "tool_calls": len(statuses),
+            "exec_errors": sum(x != "ok" for x in statuses), "model_tokens": sum(s.n_model_tokens for s in samples),
+            **{"finish_" + f: sum(s.finish_reason == f for s in samples) for f in ("length", "tool_budget")},
+            **{k: upd[k] for k in TRAIN_SUMS}}  # the same keys, in the same order, on every rank
+    tot = dict(zip(sums, sft.all_reduce(torch.tensor([float(v) for v in sums.values()], dtype=torch.float64,
+                                                     device=d.device)).tolist()))
     times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
     if d.world_size > 1:
         parts = [None] * d.world_size
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
         records = [r for p in parts for r in p]
     nt = tot["loss_tokens"]
-    metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt)}
-    metrics.update({name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()})
-    metrics.update({name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:]})  # means per loss token
-    metrics["grad_norm"] = upd["grad_norm"] / upd["optimizer_steps"] if nt else None
-    metrics.update(optimizer_steps=upd["optimizer_steps"], sampling_rounds=len(rounds),
-                   lr=optimizer.param_groups[0]["lr"], time_rollout=times[0], time_exec=times[1], time_train=times[2])
+    metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt),
+               **{name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()},
+               **{name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:]},  # means per loss token
+               "grad_norm": upd["grad_norm"] / upd["optimizer_steps"] if nt else None,
+               "optimizer_steps": upd["optimizer_steps"], "lr": optimizer.param_groups[0]["lr"],
+               **dict(zip(("time_rollout", "time_exec", "time_train"), times))}
     return metrics, (records if d.rank == 0 else [])
 
 
@@ -460,22 +439,19 @@ class PromptStream:
         assert problems, "no problems to draw from"
         self.problems, self.seed, self.rank, self.world = problems, seed, rank, world_size
         self.fingerprint = hashlib.sha256("\n".join(str(p["id"]) for p in problems).encode()).hexdigest()[:16]
-        self._start(0, 0)
-
-    def _start(self, epoch: int, offset: int):
-        self.epoch, self.offset = epoch, offset
-        self._order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.problems)), len(self.problems))
+        self.epoch, self.offset = 0, 0
 
     def next(self, n_global: int) -> list:
         """This rank's share (n_global / world_size problems) of the next global batch."""
         assert n_global % self.world == 0, (n_global, self.world)
-        batch = []
-        for _ in range(n_global):
-            if self.offset == len(self._order):
-                self._start(self.epoch + 1, 0)
-            batch.append(self.problems[self._order[self.offset]])
-            self.offset += 1
-        return batch[self.rank::self.world]
+        n, batch = len(self.problems), []
+        while len(batch) < n_global:
+            if self.offset == n:
+                self.epoch, self.offset = self.epoch + 1, 0
+            order = random.Random(self.seed * 1_000_003 + self.epoch).sample(range(n), n)  # this epoch's permutation
+            take = order[self.offset:self.offset + n_global - len(batch)]
+            batch, self.offset = batch + take, self.offset + len(take)
+        return [self.problems[i] for i in batch[self.rank::self.world]]
 
     def state_dict(self):
         return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
@@ -483,31 +459,13 @@ class PromptStream:
     def load_state_dict(self, state):
         """Continue where a checkpoint stopped. A different problem list (another file, or
         --drop-solved) cannot continue a permutation: it starts a fresh one at epoch + 1."""
-        if state["fingerprint"] == self.fingerprint:
-            self._start(state["epoch"], state["offset"])
-        else:
+        same = state["fingerprint"] == self.fingerprint
+        if not same:
             sft.print0(f"problem list differs from the checkpoint's: new order from epoch {state['epoch'] + 1}")
-            self._start(state["epoch"] + 1, 0)
+        self.epoch, self.offset = (state["epoch"], state["offset"]) if same else (state["epoch"] + 1, 0)
 
 
 # Progress and the end-of-run summary
-
-
-class MicroBatchBar:
-    """`update_policy`'s progress(done, total): a tqdm bar of micro-batches, opened at the
-    first call (the total is known only then)."""
-
-    def __init__(self, desc: str, disable: bool):
-        self.desc, self.disable, self.bar = desc, disable, None
-
-    def __call__(self, done: int, total: int):
-        if self.bar is None:
-            self.bar = tqdm(total=total, desc=self.desc, unit="micro-batch", leave=False, disable=self.disable)
-        self.bar.update(done - self.bar.n)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
 
 
 def dir_gb(path: str) -> float:
@@ -564,8 +522,7 @@ def parse_args(argv=None):
                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
                    help="problems JSONL: id, problem, answer; a prompt with no room under --max-context is skipped")
     p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
-    p.add_argument("--resume", help="checkpoint dir (out/latest, out/step_N) to continue; the flags given now apply")
-    p.add_argument("--reset-optimizer", action="store_true", help="with --resume: fresh optimizer and data order")
+    p.add_argument("--resume", help="checkpoint dir (out/latest) to continue; the flags given now apply")
     p.add_argument("--drop-solved", type=executor.input_file, help="pass-rate JSONL: drop prompts last solved G/G")
     # GRPO
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
@@ -574,8 +531,6 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
-    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO: draw prompts until enough groups have signal")
-    p.add_argument("--max-sampling-rounds", type=executor.positive_int, default=4, help="rounds a step, at most")
     # rollout
     p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
@@ -586,22 +541,13 @@ def parse_args(argv=None):
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
-    # optimisation
+    # optimisation and run
     p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
-    p.add_argument("--weight-decay", type=executor.nonneg_float, default=0.0, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=executor.nonneg_float, default=1.0, help="max global grad norm; 0 = off")
-    p.add_argument("--micro-batch", type=executor.positive_int, default=1, help="sequences per forward, per rank")
-    p.add_argument("--chunk-size", type=executor.positive_int, default=1024, help="positions per lm_head chunk")
-    p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--shard-optimizer", action="store_true", help="with DDP: ZeRO-1, AdamW state sharded over ranks")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
-    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast and rollout copy); CPU is fp32")
-    # run
-    p.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
     p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
-    p.add_argument("--keep-every", type=executor.nonneg_int, default=20, help="steps between kept step_N; 0 = none")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
+    # the flags shared with sft.py: --micro-batch, --weight-decay, --grad-clip, --chunk-size, --seed,
+    # --fsdp, --shard-optimizer, --grad-checkpointing, --fp32, --no-progress
+    sft.add_training_args(p)
     return p.parse_args(argv)
 
 
@@ -616,7 +562,8 @@ def main(argv=None, reward_fn=None):
     rank, _, world, device = sft.setup_distributed(args.seed)
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     if args.resume:  # one interpreter policy per run: its rollouts and prompt never mix
-        executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",), f"the rollouts of {args.resume}")
+        executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",),
+                                 f"the rollouts of {args.resume}")
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
@@ -652,34 +599,19 @@ def main(argv=None, reward_fn=None):
     policy = None if share else copy.deepcopy(lm).to(device, d.autocast_dtype or torch.float32).requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
-    optimizer = sft.make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
-                                   shard=args.shard_optimizer)
+    optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     step = 0
     if args.resume:
-        st = sft.load_trainer_state(args.resume, None if args.reset_optimizer else optimizer)
+        st = sft.load_trainer_state(args.resume, optimizer,
+                                    logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
         step = st["step"]
-        if not args.reset_optimizer:
-            stream.load_state_dict(st["data"])
-        sft.print0(f"resumed from {args.resume} at step {step}"
-                   + (" (optimizer and data order fresh)" if args.reset_optimizer else ""))
-        if rank == 0:
-            for name in ("metrics.jsonl", "pass_rates.jsonl"):
-                executor.trim_jsonl_steps(os.path.join(args.out, name), step)
+        stream.load_state_dict(st["data"])
 
-    # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout for the summary
-    show_bars = rank == 0 and not args.no_progress
+    # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout wave for the summary
+    show_bars, latest, last = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), {}
     say = tqdm.write if show_bars else lambda text: None
-
-    def save(name):
-        path, t0 = os.path.join(args.out, name), time.perf_counter()
-        say(f"step {step}: writing checkpoint {path} ...")
-        sft.save_checkpoint(path, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
-                            optimizer if args.save_optimizer else None)
-        say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(path):.1f} GB)")
-
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
-    last = {}
 
     def rollout_fn(*a, **kw):
         last["samples"] = executor.rollout(*a, progress=last["bar"], **kw)
@@ -692,7 +624,8 @@ def main(argv=None, reward_fn=None):
                 sync_policy(model, policy)
             n_samples = args.prompts_per_step // world * args.group_size
             last["bar"] = executor.RolloutProgress(n_samples, f"step {step} rollout", not show_bars)
-            train_bar = MicroBatchBar(f"step {step} training", not show_bars)
+            train_bar = tqdm(total=0, desc=f"step {step} training", unit="micro-batch", leave=False,
+                             disable=not show_bars)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,
                                          reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
@@ -701,18 +634,18 @@ def main(argv=None, reward_fn=None):
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
-                warn = budget_warning(metrics)
-                if warn:
+                if warn := budget_warning(metrics):
                     print("\n" + "!" * 80 + "\n" + warn + "\n" + "!" * 80, file=sys.stderr, flush=True)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
                             tokens=metrics["model_tokens_per_sample"])
             bar.update(1)
             if args.save_every and step % args.save_every == 0 or step == args.steps:
-                save("latest")
-            if args.keep_every and step % args.keep_every == 0:
-                save(f"step_{step:06d}")
+                say(f"step {step}: writing checkpoint {latest} ...")
+                t0 = time.perf_counter()
+                sft.save_checkpoint(latest, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
+                                    optimizer if args.save_optimizer else None)
+                say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(latest):.1f} GB)")
     bar.close()
-    latest = os.path.join(args.out, "latest")
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
     if rank == 0 and last.get("samples"):
         print(run_summary(args, problems, tokenizer, last["samples"], reward_fn or answer_reward), flush=True)

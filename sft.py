@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, json, math, os, random, shutil, sys, time
+import contextlib, glob, math, os, random, shutil, sys, time
 
 import numpy as np
 import torch
@@ -482,9 +482,33 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    try:
-        _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer)
-    except BaseException:  # a full disk or Ctrl-C leaves no partial <dir>.tmp behind
+    try:  # a full disk or Ctrl-C leaves no partial <dir>.tmp behind
+        sd = full_state_dict(model)
+        if trainer_state is not None:
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            state = {**trainer_state, "rng": rng, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+            if optimizer is not None and _is_zero(optimizer):
+                # each rank writes its own share: consolidating on rank 0 would bring back the
+                # memory that sharding saves
+                state["optimizer_shard"] = optimizer.optim.state_dict()
+            elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
+                # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
+                # memory and disk three times over saved per extra rank); RNG stays per rank
+                state["optimizer"] = optimizer.state_dict()
+            torch.save(state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+        if rank == 0:
+            lm = unwrap_model(model)
+            qc = getattr(lm.config, "quantization_config", None) \
+                or getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None)
+            if "gguf" in str(getattr(qc, "quant_method", qc)).lower():  # dequantized at load: drop the marker
+                assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
+                lm.hf_quantizer = None
+                vars(lm.config).pop("quantization_config", None)
+            lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            executor.write_json_atomic(os.path.join(tmp, "args.json"), args)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _barrier()  # every rank's trainer state is written before the directory is published
@@ -495,38 +519,6 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
-
-
-def _write_checkpoint(tmp, rank, model, tokenizer, args, trainer_state, optimizer):
-    sd = full_state_dict(model)
-    if trainer_state is not None:
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        trainer_state = {**trainer_state, "rng": rng, "world_size": world}
-        if optimizer is not None and _is_zero(optimizer):
-            # each rank writes its own share: consolidating on rank 0 would bring back the
-            # memory that sharding saves; the exposed (current) hyperparameters go with it
-            share = optimizer.optim.state_dict()
-            _copy_hyperparameters(share["param_groups"], optimizer.param_groups)
-            trainer_state["optimizer_shard"] = share
-        elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
-            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
-            # memory and disk three times over saved per extra rank); RNG stays per rank
-            trainer_state["optimizer"] = optimizer.state_dict()
-        torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
-    if rank == 0:
-        lm = unwrap_model(model)
-        qc = getattr(lm.config, "quantization_config", None) \
-            or getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None)
-        if "gguf" in str(getattr(qc, "quant_method", qc)).lower():  # dequantized at load: drop the marker
-            assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
-            lm.hf_quantizer = None
-            vars(lm.config).pop("quantization_config", None)
-        lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "args.json"), "w") as f:
-            json.dump(args, f, indent=2, default=str)
 
 
 def newest_checkpoint(out: str) -> str | None:
@@ -570,16 +562,17 @@ def interrupted_note(out: str) -> str:
     return f"kept {ckpt}; resume: {executor.command_line('--resume', ckpt)}" if ckpt else "no checkpoint was saved"
 
 
-def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -> dict:
+def load_trainer_state(ckpt_dir: str, optimizer=None, logs=()) -> dict:
     """This rank's trainer state from a checkpoint (rank 0's if the run had fewer ranks:
     exact for DDP's replicated optimizer, except per-rank RNG). With `optimizer` (made by
-    `make_optimizer`), also restores it (`load_optimizer_state`) and this process's RNG.
+    `make_optimizer`), resumes a run: restores the optimizer (`load_optimizer_state`) and
+    this process's RNG, says so, and (rank 0) drops the records after the checkpoint's step
+    from the run's JSONL `logs`, so that a resumed run never logs a step twice.
 
     Raises:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
-    rank0 = os.path.join(ckpt_dir, "trainer_state_rank0.pt")
-    path = os.path.join(ckpt_dir, f"trainer_state_rank{_rank() if rank is None else rank}.pt")
+    rank0, path = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
     path = path if os.path.exists(path) else rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
@@ -592,17 +585,19 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, rank: int | None = None) -
             load_optimizer_state(optimizer, state, ckpt_dir)
         rng = state["rng"]
         random.setstate(rng["python"])
-        if "numpy" in rng:  # grpo.py's checkpoints before this version kept python and torch only
-            np.random.set_state(rng["numpy"])
+        np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        print0(f"resumed from {ckpt_dir} at step {state['step']}")
+        for path in logs if _rank() == 0 else ():
+            executor.trim_jsonl_steps(path, state["step"])
     return state
 
 
 def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = False):
-    """AdamW, the paper's optimizer (its lr is the caller's); betas (0.9, 0.999) and eps 1e-8
-    are ours (departure 3 above).
+    """AdamW over those of `params` that require grad, the paper's optimizer (its lr is the
+    caller's); betas (0.9, 0.999) and eps 1e-8 are ours (departure 3 above).
 
     With `shard` and several DDP ranks: ZeRO stage 1 (torch's ZeroRedundancyOptimizer). Each
     rank keeps AdamW's two moments for only its share of the parameters, updates that share
@@ -616,7 +611,7 @@ def make_optimizer(params, lr: float, weight_decay: float = 0.0, shard: bool = F
         are the ones to schedule; save and restore with `save_checkpoint` /
         `load_trainer_state`, not `state_dict`).
     """
-    params = list(params)
+    params = [p for p in params if p.requires_grad]
     kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     if shard and dist.is_initialized() and dist.get_world_size() > 1 and not _is_sharded(params):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -628,18 +623,13 @@ def _is_zero(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
-def _copy_hyperparameters(dst_groups, src_groups):
-    # ZeRO keeps two sets of param groups: the exposed ones (a scheduler writes lr there)
-    # and its local optimizer's, which it refreshes from the exposed ones only at a step
-    for dst, src in zip(dst_groups, src_groups):
-        dst.update({k: v for k, v in src.items() if k != "params"})
-
-
 def load_optimizer_state(opt, state: dict, where: str):
     """Restore the optimizer entry of a trainer state (`state`, with "world_size"): a full
     state dict ("optimizer"), or under ZeRO this rank's share ("optimizer_shard") into
     `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share only
-    into ZeRO on as many ranks.
+    into ZeRO on as many ranks. ZeRO's share restores the moments only: its exposed param
+    groups (lr and the rest) stay the caller's, which the local optimizer copies at each step,
+    so a scheduler's lr must be set again after a resume (`sft.main` does).
 
     Raises:
         ValueError naming `where` (the checkpoint) when the shares do not fit this run.
@@ -652,7 +642,6 @@ def load_optimizer_state(opt, state: dict, where: str):
         raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
                          f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
     opt.optim.load_state_dict(state["optimizer_shard"])
-    _copy_hyperparameters(opt.param_groups, opt.optim.param_groups)
 
 
 # -----------------------------------------------------------------------------
@@ -678,20 +667,25 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=positive_int, default=3, help="passes over the data")
     p.add_argument("--max-steps", type=nonneg_int, default=0, help="optimizer steps; 0 = epochs decide")
     p.add_argument("--global-batch", type=positive_int, default=16, help="sequences per optimizer step, all ranks")
+    p.add_argument("--save-every", type=nonneg_int, default=0, help="checkpoint every N steps; 0 = only at the end")
+    add_training_args(p)
+    return p.parse_args(argv)
+
+
+def add_training_args(p):
+    """The optimisation and system flags of sft.py and grpo.py (the same meaning in both)."""
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per forward, per rank")
     p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
     # system
     p.add_argument("--seed", type=int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
-    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA (CPU is always fp32)")
-    p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
-    p.add_argument("--save-every", type=nonneg_int, default=0, help="checkpoint every N steps; 0 = only at the end")
+    p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast; grpo's rollout copy); CPU is fp32")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
@@ -700,19 +694,18 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, local_rank, world, device = setup_distributed(args.seed)
+    rank, _, world, device = setup_distributed(args.seed)
     args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
-    if args.global_batch % (args.micro_batch * world):
+    accum, rest = divmod(args.global_batch, args.micro_batch * world)
+    if rest:
         raise executor.InputError(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
                                   f"{args.micro_batch} x {world} ranks")
+    print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     rows = list(read_trajectories(args.data))  # bad rows end the run before the model loads
     # distill.py's <stem>.args.json, when it is there, says which interpreter policy made the rows
     executor.check_same_args(args.data.removesuffix(".jsonl") + ".args.json", args, ("stateful",),
                              f"the trajectories in {args.data}")
-    accum = args.global_batch // (args.micro_batch * world)
-    print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32 else None
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
@@ -735,20 +728,18 @@ def main(argv=None):
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
 
     # 2) optimizer, schedule, resume
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay,
-                         shard=args.shard_optimizer)
+    opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
     data_id = {"seed": args.seed, "n_examples": len(examples), "global_batch": args.global_batch}
     step = 0
     if args.resume:
-        st = load_trainer_state(args.resume, opt)
+        st = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])
         if st["data"] != data_id:
             print0(f"warning: data / batch differ from the checkpoint's {st['data']}; order will not continue exactly")
         sched.load_state_dict(st["scheduler"])
+        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # (a ZeRO share holds the lr before the last step)
+            group["lr"] = lr
         step = st["step"]
-        print0(f"resumed from {args.resume} at step {step}")
-        if rank == 0:
-            executor.trim_jsonl_steps(os.path.join(args.out, "log.jsonl"), step)
 
     def save(name):
         state = {"step": step, "scheduler": sched.state_dict(), "data": data_id}
@@ -760,18 +751,17 @@ def main(argv=None):
     while step < total:
         t0 = time.perf_counter()
         idx = step_indices(step, len(examples), args.global_batch, args.seed)
-        mine = micro_batches_for_rank(idx, lengths, args.micro_batch, accum, world, rank)
-        mbs = [collate([examples[i] for i in c], tokenizer.pad_token_id, device) for c in mine]
+        mbs = [collate([examples[i] for i in c], tokenizer.pad_token_id, device)
+               for c in micro_batches_for_rank(idx, lengths, args.micro_batch, accum, world, rank)]
         m = backward_step(model, mbs, mask_outputs=args.mask_outputs, chunk_size=args.chunk_size,
-                          autocast_dtype=autocast_dtype)
+                          autocast_dtype=torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
         lr = opt.param_groups[0]["lr"]
         grad_norm = optimizer_step(model, opt, args.grad_clip)
         sched.step()
-        step += 1
-        dt = time.perf_counter() - t0
-        rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]),
-               "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(m["n_loss_tokens"]), "tokens": int(m["n_tokens"]),
-               "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
+        step, dt = step + 1, time.perf_counter() - t0
+        rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "lr": lr, "grad_norm": grad_norm,
+               "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]), "loss_tokens": int(m["n_loss_tokens"]),
+               "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if rank == 0:
             executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")

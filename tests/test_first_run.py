@@ -88,11 +88,17 @@ def test_rollout_progress_counts_tokens_samples_blocks_and_errors(tokenizer):
     assert (bar.done, bar.tokens, bar.blocks, bar.errors) == (2, 2 * (len(seg1) + 1), 2, 2)
 
 
-def test_micro_batch_bar_follows_done_of_total():
-    bar = grpo.MicroBatchBar("training", disable=False)
-    for done in range(3):
-        bar(done, 3)
-    assert (bar.bar.n, bar.bar.total) == (2, 3)
+def test_training_bar_counts_the_micro_batches_of_the_update():
+    from tqdm import tqdm
+    tok = tiny.make_tokenizer()
+    lm = tiny.make_model(tok).train()
+    samples = [ex.Sample(prompt_ids=[5, 6], ids=[5, 6, 7 + i], roles=[ex.ROLE_PROMPT] * 2 + [ex.ROLE_MODEL],
+                         logprobs=[float("nan")] * 2 + [-1.0]) for i in range(3)]
+    args = grpo.parse_args(["--out", "unused", "--micro-batch", "1"])
+    bar = tqdm(total=0, disable=False)  # as grpo.main opens it: the update sets the total
+    grpo.update_policy(lm, torch.optim.SGD(lm.parameters(), lr=0.0), samples, torch.tensor([1.0, -1.0, 0.5]), args,
+                       grpo.Dist(), progress=bar)
+    assert (bar.n, bar.total) == (3, 3)
     bar.close()
 
 
