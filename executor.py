@@ -978,18 +978,18 @@ class Sample:
 
 
 class _Row:
-    """Per-sample decoding state (plain data; the loop in `rollout` drives it)."""
+    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
+    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
 
-    def __init__(self, prompt_ids):
-        self.ids, self.roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
-        self.logprobs = [float("nan")] * len(prompt_ids)
+    def __init__(self, prompt_ids, max_context):
+        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
         # n_fed: ids already in the KV cache; seg_start: first id of the current segment (after
         # the last output block); ids[read:] are not in text yet, ids[ctx:read] their context
         self.prompt_len = self.n_fed = self.seg_start = self.ctx = self.read = len(prompt_ids)
         self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
-        self.blocks, self.tool_calls, self.n_model = [], 0, 0
-        self.finish, self.code = None, None  # finish reason; the block being run
-        self.running = None  # the sandbox's future for that block
+        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
+        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
+        self.code = self.running = None  # the block being run; the sandbox's future for it
 
 
 def _pad_left(seqs, pad_id, device):
@@ -1076,6 +1076,12 @@ def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
     return out.logits[:, -1, :], full_mask, n_real + mask.sum(dim=1)
 
 
+def _repeat_rows(cache, k, *tensors):
+    """Repeat each batch row of the KV cache and of `tensors` ((B, ...) each) k times in a row."""
+    cache.batch_repeat_interleave(k)
+    return [t.repeat_interleave(k, 0) for t in tensors]
+
+
 def shared_prefix_len(prompts, min_len: int = 16) -> int:
     """Tokens at the start of every prompt that `rollout` prefills once for the whole batch:
     their longest common prefix, minus at least one token so that every prompt still feeds
@@ -1139,41 +1145,28 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = [_Row(p) for p in prompts for _ in range(n)]
+    rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
     # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
     # never on when other rows pause for their blocks
     gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
     own_bar = progress is True
-    progress = RolloutProgress(len(rows)) if own_bar else progress
-
-    def finish(r, reason):
-        r.finish = reason
-        if progress:
-            progress(0, r)
-
+    progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
     with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
         #    turns) once, then each prompt's own rest, then give every sample its own cache rows
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        P = len(prompts)
-        n_real = torch.zeros(1 if shared else P, dtype=torch.long, device=device)
-        mask = torch.zeros((len(n_real), 0), dtype=torch.long, device=device)
+        n_real = torch.zeros(1 if shared else len(prompts), dtype=torch.long, device=device)  # (B,)
+        mask = torch.zeros((len(n_real), 0), dtype=torch.long, device=device)  # (B, 0)
         if shared:
             _, mask, n_real = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], n_real, pad_id)
-            cache.batch_repeat_interleave(P)
-            mask, n_real = mask.expand(P, -1), n_real.expand(P)
+            mask, n_real = _repeat_rows(cache, len(prompts), mask, n_real)
         logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], n_real, pad_id)
         if n > 1:
-            cache.batch_repeat_interleave(n)
-            mask, n_real = mask.repeat_interleave(n, 0), n_real.repeat_interleave(n, 0)
-            logits = logits.repeat_interleave(n, 0)
+            logits, mask, n_real = _repeat_rows(cache, n, logits, mask, n_real)
         live = list(range(len(rows)))  # batch position -> row index
-        for i in live:
-            if len(rows[i].ids) >= max_context:
-                finish(rows[i], "length")
-        need = [rows[i].finish is None for i in live]  # rows that sample from `logits`
+        need = [r.finish is None for r in rows]  # rows that sample from `logits`
 
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
@@ -1183,16 +1176,17 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 sel = torch.tensor(idx, device=device)
                 tokens, logps = sample_next_token(logits[sel], [gens[live[b]] for b in idx], temperature,
                                                   top_p, top_k)
-                if progress:
-                    progress(len(idx), None)
+                progress(len(idx), None)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
                     r = rows[live[b]]
-                    _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish)
-                    if r.code is not None:
+                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
+                    if r.finish is None and r.code is not None:
                         history = {"history": list(r.blocks)} if stateful else {}
                         r.running = pool.submit(sandbox.run, r.code, **history)
-            # 3) finished rows leave the batch (their cache rows are freed)
+            # 3) finished rows are reported and leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
+            for i in sorted(set(live) - {live[b] for b in keep}):
+                progress(0, rows[i])
             if len(keep) < len(live):
                 if not keep:
                     break
@@ -1209,7 +1203,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     stats["exec_wait_s"] = stats.get("exec_wait_s", 0.0) + time.perf_counter() - t0
             for r in running:
                 if r.running.done():
-                    _append_output(r, r.running.result(), tokenizer, max_context, finish)
+                    r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
             # each row feeds what the cache lacks: its last sampled token, or the fence and
             # the output block after a run; a row whose block still runs feeds nothing
             feeds = [[] if rows[i].running is not None or rows[i].finish is not None
@@ -1255,32 +1249,29 @@ class RolloutProgress:
         self.bar.close()
 
 
-def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish):
+def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls):
     """Append a sampled token to a row and apply the stop rules, in order: EOS, the
-    closing fence of a python block (or a fake ```output), then the budgets."""
+    closing fence of a python block (or a fake ```output), then the budgets. Returns the
+    row's finish reason, or None; a closed block to run is then in `r.code`."""
     r.ids.append(t)
-    r.roles.append(ROLE_MODEL)
     r.logprobs.append(lp)
     r.n_model += 1
     if t in stops:
-        return finish(r, "stop")
+        return "stop"
     r.starts.append(len(r.text))
     piece = _decode_new(r, tokenizer)
     r.text += piece
     hit = _fence_stop(r.text, len(piece)) if piece else None
-    if hit is not None:
-        kind, cut, code = hit
-        _trim_to_fence(r, cut, tokenizer)
-        if kind == "fake_output":  # the model wrote an output block itself: end the turn there
-            return finish(r, "stop")
-        if r.tool_calls >= max_tool_calls:
-            return finish(r, "tool_budget")
-        if max_new_tokens and r.n_model >= max_new_tokens:  # no room left to use the output
-            return finish(r, "length")
-        r.code = code
-        return
-    if len(r.ids) >= max_context or (max_new_tokens and r.n_model >= max_new_tokens):
-        finish(r, "length")
+    no_tokens_left = max_new_tokens and r.n_model >= max_new_tokens
+    if hit is None:
+        return "length" if len(r.ids) >= max_context or no_tokens_left else None
+    kind, cut, r.code = hit
+    _trim_to_fence(r, cut, tokenizer)
+    if kind == "fake_output":  # the model wrote an output block itself: end the turn there
+        return "stop"
+    if len(r.blocks) >= max_tool_calls:
+        return "tool_budget"
+    return "length" if no_tokens_left else None  # (a block it has no tokens left to use is not run)
 
 
 def _decode_new(r, tokenizer) -> str:
@@ -1331,51 +1322,47 @@ def _trim_to_fence(r, cut, tokenizer):
         k = bisect.bisect_left(r.starts, r.starts[k - 1])
     new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
     n_drop = len(r.starts) - k
-    for lst in (r.ids, r.roles, r.logprobs):
-        del lst[len(lst) - n_drop:]
+    del r.ids[len(r.ids) - n_drop:], r.logprobs[len(r.logprobs) - n_drop:]
     r.n_model -= n_drop
     r.ids += new
-    r.roles += [ROLE_OUTPUT] * len(new)
-    r.logprobs += [float("nan")] * len(new)
+    r.logprobs += [math.nan] * len(new)
     r.text, r.starts = r.text[:cut], r.starts[:k]
 
 
-def _append_output(r, res, tokenizer, max_context, finish):
+def _append_output(r, res, tokenizer, max_context):
     """Record a row's finished block and append its ```output block (role output) to the
-    row's ids, or end the row with 'length' when the output would not fit."""
-    r.tool_calls += 1
-    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
-    r.code = r.running = None
+    row's ids; or return 'length' when the output would not fit (the block is then not
+    recorded: its output never reaches the model, the trajectory ends before it)."""
     lead = "" if r.text.endswith("\n") else "\n"
     chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
     if len(r.ids) + len(chunk) >= max_context:
-        r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
-        r.tool_calls -= 1
-        return finish(r, "length")
+        return "length"
+    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
+    r.code = r.running = None
     r.ids += chunk
-    r.roles += [ROLE_OUTPUT] * len(chunk)
-    r.logprobs += [float("nan")] * len(chunk)
+    r.logprobs += [math.nan] * len(chunk)
     # a new segment, decoded after the block's last token (so a leading space is kept)
     r.text, r.starts, r.seg_start = "", [], len(r.ids)
     r.ctx, r.read = len(r.ids) - 1, len(r.ids)
 
 
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":
+    roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
+                                            for lp in r.logprobs[r.prompt_len:]]
     comp = r.ids[r.prompt_len:]
     if comp and comp[-1] in stops and r.finish == "stop":
         comp = comp[:-1]
-    final = [t for t, role in zip(r.ids[r.seg_start:], r.roles[r.seg_start:])
-             if role == ROLE_MODEL and t not in stops]
+    final = [t for t, role in zip(r.ids[r.seg_start:], roles[r.seg_start:]) if role == ROLE_MODEL and t not in stops]
     final_text = tokenizer.decode(final)
     text = tokenizer.decode(comp)
     first = split_completion(text)[:1]
     plan = first[0].text if first and first[0].kind == "plan" else ""
     # the plan's tokens are those that start before its end (the decoded prefix grows with k),
     # all of them before the first output block
-    first_output = r.roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in r.roles else len(comp)
+    first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
     plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
                                      key=lambda k: len(tokenizer.decode(comp[:k])))
-    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
+    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)
 
