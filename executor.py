@@ -38,7 +38,6 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
-import decimal
 import errno
 import functools
 import glob
@@ -460,44 +459,30 @@ class Sandbox(contextlib.AbstractContextManager):
             return list(pool.map(self.run, codes))
 
     def _run(self, code, prior, stateful) -> ExecResult:
+        """Run one block: 1) send its request to the template; 2) read its output until it
+        has ended (its own report, or its exit) and every writer closed the output (at most
+        0.2 s more: processes it left running die with its namespace, or, not contained,
+        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end."""
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
+        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
+        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf  # drain_end < inf: it ended
+        deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
             for fd in (req, theirs.detach(), out_w):
                 os.close(fd)
-            info, output, stop = self._watch(ours, out_r, len(prior))
-        except OSError as e:  # the template is gone
-            raise _TemplateDied(str(e)) from e
-        finally:
-            ours.close()
-            os.close(out_r)
-            if not self.contained:
-                shutil.rmtree(cwd, ignore_errors=True)
-        status, note = _describe(info, stop, self.timeout)
-        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
-
-    def _watch(self, sock, out_r, n_prior):
-        """Read a running block's output until it has ended (its own report, or its exit)
-        and every writer closed the output (at most 0.2 s more: processes it left running
-        die with its namespace, or, not contained, with its group); stop it at its
-        deadline or as a fork bomb.
-        Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
-        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf
-        deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
-        try:
-            while not ("exit" in info or "code" in info) or (out_open and time.monotonic() < drain_end):
-                now, pid, counting = time.monotonic(), info.get("pid"), self.contained and "started" in info
-                ended = "exit" in info or "code" in info
-                if counting and stop is None and now >= count_at:  # root is exempt from RLIMIT_NPROC
+            while drain_end == math.inf or (out_open and time.monotonic() < drain_end):
+                now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
+                counting = self.contained and "started" in info and stop is None
+                if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
                         if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
@@ -505,7 +490,7 @@ class Sandbox(contextlib.AbstractContextManager):
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
-                wake = drain_end if ended else min(deadline, count_at if counting and not stop else math.inf)
+                wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
                 ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
                                             max(0.0, wake - time.monotonic()))
                 if out_r in ready:
@@ -521,15 +506,23 @@ class Sandbox(contextlib.AbstractContextManager):
                         deadline = time.monotonic() + self.timeout
                     if "pid" in msg:
                         self._running.add(msg["pid"])
-                    if ("exit" in msg or "code" in msg) and not self.contained:  # what is left of its group
-                        _signal(pid, signal.SIGKILL)
-                    drain_end = time.monotonic() + 0.2 if "exit" in msg or "code" in msg else drain_end
+                    if "exit" in msg or "code" in msg:
+                        drain_end = time.monotonic() + 0.2
+                        if not self.contained:  # what is left of its group
+                            _signal(pid, signal.SIGKILL)
                     info.update(msg)
+        except OSError as e:  # the template is gone
+            raise _TemplateDied(str(e)) from e
         finally:
             self._running.discard(info.get("pid"))
+            sock.close()
+            os.close(out_r)
+            if not self.contained:
+                shutil.rmtree(cwd, ignore_errors=True)
         if output.head.startswith(b"\0sandbox: "):
             raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
-        return info, output, stop
+        status, note = _describe(info, stop, self.timeout)
+        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
 def _signal(pid, sig):
@@ -574,13 +567,11 @@ def _describe(info, stop, timeout):
         note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
         return ("ok" if info["code"] == 0 else "error"), note
     sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
-    if sig == signal.SIGKILL:
-        return "memory", "Process killed by SIGKILL (possibly out of memory)."
-    if sig == signal.SIGXCPU:
-        return "timeout", "Process killed: CPU time limit exceeded."
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
-        return "killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."
+        return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
+                signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
+            sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
     code = os.WEXITSTATUS(info["exit"])
     return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
 
@@ -706,8 +697,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         path = packaged_model_path(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
-    device = torch.device(device)
-    torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch_dtype = getattr(torch, dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     kw = {}
     if path.endswith(".gguf"):
         path, kw["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
@@ -903,8 +893,7 @@ def split_completion(text: str, outputs=None) -> list:
         start, end = m.span()
         if start < pos:  # inside an output block that `outputs` showed to be longer
             continue
-        code = m.group("code")
-        kind, body = ("code", code) if code is not None else ("output", m.group("out") or "")
+        kind, body = ("code", m["code"]) if m["code"] is not None else ("output", m["out"] or "")
         if kind == "output":
             if segs and segs[-1].kind == "code" and text[pos:start] == "\n":
                 start -= 1  # the newline the engine puts between a block and its output
@@ -915,8 +904,7 @@ def split_completion(text: str, outputs=None) -> list:
                 end = m.start() + len(body) + 14
                 end += text.startswith("\n", end)
         if start > pos:
-            prose = text[pos:start]
-            segs.append(Segment("prose", prose, prose))
+            segs.append(Segment("prose", text[pos:start], text[pos:start]))
         segs.append(Segment(kind, text[start:end], body))
         pos = end
     if outs:
@@ -972,9 +960,9 @@ class _Row:
 
     def __init__(self, prompt_ids, max_context):
         self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
-        # n_fed: ids already in the KV cache; seg_start: first id of the current segment (after
-        # the last output block); ids[read:] are not in text yet, ids[ctx:read] their context
-        self.prompt_len = self.n_fed = self.seg_start = self.ctx = self.read = len(prompt_ids)
+        # seg_start: first id of the current segment (after the last output block); ids[read:]
+        # are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.seg_start = self.ctx = self.read = len(prompt_ids)
         self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
         self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
         self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
@@ -1028,41 +1016,37 @@ def _slab_layer_class():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
                 self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n = self.keys.shape[-2]
-            end = n + key_states.shape[-2]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
             # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
             if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end + 256, end * 5 // 4)
-                capacity = max(end, min(capacity, self.max_len or capacity))
+                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
                 self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
                                             for t in (key_states, value_states))
                 self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end] = key_states
-            self.v_slab[:, :, n:end] = value_states
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
             self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
             return self.keys, self.values
 
     return SlabLayer
 
 
-def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     """Append one ragged chunk per row to the KV cache and return the last logits.
 
     feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
         row's pads sit in the *middle* of its mask, after its history.
-    past_mask: (B, S) 0/1 mask of what the cache holds. n_real: (B,) real tokens so far.
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L), n_real).
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
     Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
     transformers from the cache length, aligned bottom-right (G8).
     """
     import torch
     ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
-    pos = n_real[:, None] + torch.cumsum(mask, dim=1) - 1  # (B, L)
-    pos = pos.clamp(min=0) * mask
+    pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask  # (B, L)
     full_mask = torch.cat([past_mask, mask], dim=1)  # (B, S + L)
     out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache,
                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :], full_mask, n_real + mask.sum(dim=1)
+    return out.logits[:, -1, :], full_mask
 
 
 def _repeat_rows(cache, k, *tensors):
@@ -1077,12 +1061,8 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
     its own last token (its logits give the first sample). 0 when there is one prompt or
     the prefix is shorter than `min_len` (not worth an extra forward).
     """
-    if len(prompts) < 2:
-        return 0
-    first, k = prompts[0], min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        k = next((i for i in range(k) if p[i] != first[i]), k)
-    return k if k >= min_len else 0
+    k = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)  # (commonprefix: any sequences)
+    return k if k >= min_len and len(prompts) > 1 else 0
 
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
@@ -1098,10 +1078,10 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     waits on a block.
 
     Args:
-        prompts: list of prompt id lists (from `build_prompt_ids`), ragged. The prefix they
-            all share is prefilled once (`shared_prefix_len`).
-        sandbox: a `Sandbox` (anything with a thread-safe `run(code) -> ExecResult` and
-            `workers`, the number of blocks run at once).
+        prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
+            prefix they all share is prefilled once (`shared_prefix_len`).
+        sandbox: a `Sandbox` (anything with a thread-safe `run(code, history) -> ExecResult`
+            and `workers`, the number of blocks run at once).
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
             shared, every row's first token drawn independently (tests/faults.md G7).
         temperature, top_p, top_k: see `sample_next_token`.
@@ -1115,7 +1095,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
         stateful: each block sees what the earlier blocks of its own trajectory defined
-            (`Sandbox.run`'s history; `sandbox.run` is then called with `history=`).
+            (`Sandbox.run`'s history; None without it).
         progress: None; True for a tqdm bar of this call's samples; or a callable
             `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
             called with the number of tokens just sampled (done None) and with each
@@ -1129,8 +1109,6 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
 
     if not prompts:
         return []
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("rollout: every prompt needs at least one token")
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -1140,20 +1118,19 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
     own_bar = progress is True
     progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
     with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
         #    turns) once, then each prompt's own rest, then give every sample its own cache rows
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        n_real = torch.zeros(1 if shared else len(prompts), dtype=torch.long, device=device)  # (B,)
-        mask = torch.zeros((len(n_real), 0), dtype=torch.long, device=device)  # (B, 0)
+        mask = torch.zeros((1 if shared else len(prompts), 0), dtype=torch.long, device=device)  # (B, 0)
         if shared:
-            _, mask, n_real = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], n_real, pad_id)
-            mask, n_real = _repeat_rows(cache, len(prompts), mask, n_real)
-        logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], n_real, pad_id)
+            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
+            (mask,) = _repeat_rows(cache, len(prompts), mask)
+        logits, mask = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], pad_id)
         if n > 1:
-            logits, mask, n_real = _repeat_rows(cache, n, logits, mask, n_real)
+            logits, mask = _repeat_rows(cache, n, logits, mask)
         live = list(range(len(rows)))  # batch position -> row index
         need = [r.finish is None for r in rows]  # rows that sample from `logits`
 
@@ -1170,8 +1147,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     r = rows[live[b]]
                     r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
                     if r.finish is None and r.code is not None:
-                        history = {"history": list(r.blocks)} if stateful else {}
-                        r.running = pool.submit(sandbox.run, r.code, **history)
+                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
             # 3) finished rows are reported and leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             for i in sorted(set(live) - {live[b] for b in keep}):
@@ -1181,7 +1157,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     break
                 k = torch.tensor(keep, device=device)
                 cache.batch_select_indices(k)
-                mask, n_real, live = mask[k], n_real[k], [live[b] for b in keep]
+                mask, live = mask[k], [live[b] for b in keep]
             # 4) append the output of every block that has finished; if no row has anything
             #    else to do, wait for the first one
             running = [rows[i] for i in live if rows[i].running is not None]
@@ -1193,16 +1169,14 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             for r in running:
                 if r.running.done():
                     r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
-            # each row feeds what the cache lacks: its last sampled token, or the fence and
-            # the output block after a run; a row whose block still runs feeds nothing
-            feeds = [[] if rows[i].running is not None or rows[i].finish is not None
-                     else rows[i].ids[rows[i].n_fed:] for i in live]
-            for f, i in zip(feeds, live):
-                rows[i].n_fed += len(f)
+            # each row feeds what the cache lacks (it holds its first `held` ids): its last sampled
+            # token, or the fence and the output block after a run; a row whose block runs feeds nothing
+            feeds = [[] if rows[i].running is not None or rows[i].finish is not None else rows[i].ids[held:]
+                     for i, held in zip(live, mask.sum(dim=1).tolist())]
             need = [len(f) > 0 for f in feeds]
             # 5) one forward over the ragged chunk (a token, or an output block)
             if any(need):
-                logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
     if own_bar:
         progress.close()
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
@@ -1217,9 +1191,10 @@ class RolloutProgress:
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
         from tqdm import tqdm
 
-        self.total, self.done, self.tokens, self.blocks, self.errors = total, 0, 0, 0, 0
-        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable)
-        self.start = self.shown = time.perf_counter()
+        self.done = self.tokens = self.blocks = self.errors = 0
+        # a decode step is far shorter than a redraw: tqdm redraws at most once a second
+        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable, mininterval=1.0)
+        self.start = time.perf_counter()
 
     def __call__(self, tokens: int, done=None):
         self.tokens += tokens
@@ -1227,12 +1202,9 @@ class RolloutProgress:
             self.blocks += len(done.blocks)
             self.errors += sum(b["status"] != "ok" for b in done.blocks)
             self.done += 1
-            self.bar.update(1)
-        now = time.perf_counter()
-        if done is not None or now - self.shown > 1.0:  # a decode step is far shorter than a redraw
-            self.shown = now
-            self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):.1f} tok/s, "
-                                     f"{self.blocks} blocks run, {self.errors} errors")
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.1f} tok/s, {self.blocks} blocks run, {self.errors} errors", refresh=False)
+        self.bar.update(done is not None)
 
     def close(self):
         self.bar.close()
@@ -1338,14 +1310,11 @@ def _append_output(r, res, tokenizer, max_context):
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
                                             for lp in r.logprobs[r.prompt_len:]]
-    comp = r.ids[r.prompt_len:]
-    if comp and comp[-1] in stops and r.finish == "stop":
-        comp = comp[:-1]
+    comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
     final = [t for t, role in zip(r.ids[r.seg_start:], roles[r.seg_start:]) if role == ROLE_MODEL and t not in stops]
     final_text = tokenizer.decode(final)
     text = tokenizer.decode(comp)
-    first = split_completion(text)[:1]
-    plan = first[0].text if first and first[0].kind == "plan" else ""
+    plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
     # the plan's tokens are those that start before its end (the decoded prefix grows with k),
     # all of them before the first output block
     first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
@@ -1369,15 +1338,13 @@ def bounded(kind, low, high=math.inf, low_open=False):
     """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] with
     low_open). A bad value is an argparse error naming the flag (exit 2, nothing loaded)."""
     def parse(text):
-        try:
+        with contextlib.suppress(ValueError):
             value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not (low < value <= high if low_open else low <= value <= high) or math.isinf(value):
-            span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
-                                             f"got {text!r}")
-        return value
+            if (low < value if low_open else low <= value) and value <= high and not math.isinf(value):
+                return value
+        span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
+                                         f"got {text!r}")
     return parse
 
 
@@ -1427,9 +1394,8 @@ def cli(main, argv=None, interrupted=None) -> int:
         full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
         if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
             raise
-        code = 1 if full else 2
-        message = ("error: no space left on device" if full else f"error: {e}" if isinstance(e, InputError)
-                   else f"error: {e.filename}: {str(e.strerror).lower()}")
+        code, message = (1, "error: no space left on device") if full else (
+            2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
@@ -1494,8 +1460,6 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
         yield lineno, row
 
 
-_PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth", "solution")
-# MATH-style files have a worked `solution` whose final \boxed{} is the answer
 
 
 class _Float(float):
@@ -1520,8 +1484,8 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InputError(f"{where}: field '{key}': {value.text} is not a finite number")
-        exact = decimal.Decimal(value.text)
-        value = int(exact) if exact == exact.to_integral_value() else value.text
+        exact = Fraction(value.text)
+        value = int(exact) if exact.denominator == 1 else value.text
     value = str(value).strip()
     if not value:
         raise InputError(f"{where}: field '{key}' is blank")
@@ -1548,7 +1512,8 @@ def read_problems(path: str) -> list:
     stem = os.path.splitext(os.path.basename(path))[0]
     for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
-        for field, keys in (("problem", _PROBLEM_KEYS), ("answer", _ANSWER_KEYS)):
+        # (MATH-style files have a worked `solution` whose final \boxed{} is the answer)
+        for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
             if key is None:
                 raise InputError(f"{where}: missing field '{field}' (or one of {keys[1:]})")
@@ -1698,6 +1663,7 @@ GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wr
 
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
 _SPACE_FORM = re.compile(r"[^\s$]+")
+_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]*")
 
 
 def _braced(text: str, j: int):
@@ -1705,13 +1671,9 @@ def _braced(text: str, j: int):
     Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
     depth = 0
     for m in _BRACE_TOKEN.finditer(text, j):
-        tok = m.group()
-        if tok == "{":
-            depth += 1
-        elif tok == "}":
-            depth -= 1
-            if depth == 0:
-                return text[j + 1:m.start()]
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+            return text[j + 1:m.start()]
     return None
 
 
@@ -1725,8 +1687,6 @@ def extract_answer(text: str, prose_only: bool = True):
     and ```output blocks are ignored: the answer is taken from the model's own text.
     Never raises on str input; linear time (fine on 1 MB strings).
     """
-    if not text:
-        return None
     if prose_only:
         # the model's own text: every python and output block that `split_completion` finds (an
         # unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
@@ -1736,17 +1696,13 @@ def extract_answer(text: str, prose_only: bool = True):
     i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if i < 0:
         return None
-    j = i + (6 if text.startswith("\\boxed", i) else 5)
-    while j < len(text) and text[j] in " \t":
-        j += 1
+    j = _BOX.match(text, i).end()  # after the command and its blanks
     if j < len(text) and text[j] == "{":
         content = _braced(text, j)
     else:
         m = _SPACE_FORM.match(text, j)
         content = m.group().rstrip(".,") if m else None
-    if content is None or not content.strip():
-        return None
-    return content.strip()
+    return (content or "").strip() or None  # an empty box: None
 
 
 # ---------------------------------------------------------------------------------------
@@ -1840,20 +1796,16 @@ class _Grader:
         env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-c", "import executor; executor._serve_grader()"],
                                      cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if self._reply(HELPER_START_TIMEOUT_S) != "ready":
             self.kill()
-            raise RuntimeError(f"the grading helper did not start: is math-verify installed "
-                               f"for {sys.executable}?")
+            raise RuntimeError(f"the grading helper did not start: is math-verify installed for {sys.executable}?")
 
     def _reply(self, timeout: float):
         """The helper's next line within timeout seconds; None if late, "" if it died."""
         poller = select.poll()   # not select(): no FD_SETSIZE limit on the pipe's number
         poller.register(self.proc.stdout, select.POLLIN)
-        if not poller.poll(math.ceil(timeout * 1000)):
-            return None
-        return self.proc.stdout.readline().decode().strip()
+        return self.proc.stdout.readline().decode().strip() if poller.poll(math.ceil(timeout * 1000)) else None
 
     def kill(self):
         if self.proc is not None:
@@ -1914,11 +1866,9 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
 
 
 def main(argv=None):
-    p = ArgumentParser(description="Run Python files through the THINC sandbox and print "
-                       "what the model would see after each.")
+    p = ArgumentParser(description="Run Python files in the THINC sandbox; print what the model sees after each.")
     p.add_argument("files", nargs="+", help="Python files, each run as one block")
-    p.add_argument("--stateful", action="store_true",
-                   help="run the files as the successive blocks of one trajectory (see Sandbox.run)")
+    p.add_argument("--stateful", action="store_true", help="the files are the blocks of one trajectory (Sandbox.run)")
     p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
     p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
     p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
@@ -1938,9 +1888,7 @@ def main(argv=None):
         for path, code in zip(args.files, codes):
             r = sb.run(code, history=list(history) if args.stateful else None)
             history.append({"code": code, "output": r.output, "status": r.status})
-            if len(args.files) > 1:
-                print(f"# {path}")
-            print(r.output)
+            print(f"# {path}\n{r.output}" if len(args.files) > 1 else r.output)
             print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
 
 

@@ -119,15 +119,14 @@ def test_g8_chunk_on_nonempty_cache_matches_full_forward(model, tokenizer, make_
     with torch.no_grad():
         cache = make_cache(model)
         mask = torch.zeros((2, 0), dtype=torch.long)
-        n_real = torch.zeros(2, dtype=torch.long)
-        _, mask, n_real = ex._forward_chunk(model, cache, mask, rows, n_real, tokenizer.pad_token_id)
-        _, mask, n_real = ex._forward_chunk(model, cache, mask, [[], [5]], n_real, tokenizer.pad_token_id)
-        last, mask, n_real = ex._forward_chunk(model, cache, mask, chunks, n_real, tokenizer.pad_token_id)
+        _, mask = ex._forward_chunk(model, cache, mask, rows, tokenizer.pad_token_id)
+        _, mask = ex._forward_chunk(model, cache, mask, [[], [5]], tokenizer.pad_token_id)
+        last, mask = ex._forward_chunk(model, cache, mask, chunks, tokenizer.pad_token_id)
         full = [rows[0] + chunks[0], rows[1] + [5] + chunks[1]]
         for b in range(2):
             ref = model(torch.tensor([full[b]])).logits[0, -1]
             assert (last[b] - ref).abs().max().item() < 1e-4
-        assert n_real.tolist() == [len(full[0]), len(full[1])]
+        assert mask.sum(dim=1).tolist() == [len(full[0]), len(full[1])]
 
 
 def test_sampler_logprobs_equal_one_full_forward(model, tokenizer, sandbox):
