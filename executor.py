@@ -785,7 +785,7 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
             or a list of B generators, one per row, so that a row's tokens do not depend on
             which other rows sample at the same step.
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
-        top_p, top_k: see `filter_top_p_top_k` (applied to the scaled logits, top-k first).
+        top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
     Returns:
         tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
         token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
@@ -804,7 +804,7 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
-        probs = torch.softmax(_top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
+        probs = torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
         cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
         total = cdf[:, -1:]  # (B, 1)
         gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
@@ -826,22 +826,16 @@ def check_finite_logits(lse, where: str):
                          f"{bad.nonzero()[0, 0].item()}")
 
 
-def filter_top_p_top_k(probs, top_p: float = 1.0, top_k: int = 0):
-    """Zero every token outside the top k, then outside the top-p nucleus of the top-k
-    distribution renormalised: exactly transformers' TopKLogitsWarper then
-    TopPLogitsWarper on log(probs), the same arithmetic the sampler runs on its logits.
+def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
+    """(B, V) logits with every token outside the top k, then outside the top-p nucleus of
+    the top-k distribution renormalised, set to -inf: exactly transformers'
+    TopKLogitsWarper then TopPLogitsWarper, op for op, so that the kept sets agree at float
+    boundaries too.
 
-    probs: (B, V), rows sum to 1. top_k: 0 = no-op. top_p: keep the most likely tokens
-    until their mass reaches top_p (a token goes when the tokens less likely than it,
-    itself included, hold at most 1 - top_p), never fewer than one; 1.0 = no-op.
-    Returns (B, V), not renormalised.
+    top_k: 0 = no-op. top_p: keep the most likely tokens until their mass reaches top_p (a
+    token goes when the tokens less likely than it, itself included, hold at most
+    1 - top_p), never fewer than one; 1.0 = no-op.
     """
-    return probs.masked_fill(_top_k_top_p(probs.log(), top_p, top_k) == float("-inf"), 0.0)
-
-
-def _top_k_top_p(logits, top_p: float, top_k: int):
-    """(B, V) logits with the tokens outside top-k, then top-p, set to -inf (transformers'
-    warpers, op for op, so that the kept sets agree at float boundaries too)."""
     if top_k > 0:
         kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -1584,10 +1578,9 @@ def write_json_atomic(path: str, obj) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:  # (after the rename there is no temp file: nothing to remove)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
 
 
 def sample_record(problem: dict, sample) -> dict:
