@@ -190,8 +190,7 @@ def _tmp_entries_needed() -> list:
     this file (a venv or a clone under /tmp, as in CI): a contained block's private /tmp
     would hide them, so they are bound into it again, read-only."""
     paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.abspath(__file__), *sys.path)
-    real = [os.path.realpath(p) for p in paths if p]
-    return sorted({p.split("/")[2] for p in real if p.startswith("/tmp/")})
+    return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
 
 
 def _block_child(req_fd, sock_fd, out_w, contain):
@@ -308,10 +307,6 @@ def _print_traceback(e):
             t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != __file__])
             todo += [t.__cause__, t.__context__]
     sys.stderr.write("".join(te.format()))
-
-
-class _TemplateDied(Exception):
-    pass
 
 
 class Sandbox(contextlib.AbstractContextManager):
@@ -445,7 +440,7 @@ class Sandbox(contextlib.AbstractContextManager):
             try:
                 with self._slots:
                     return self._run(code, prior, stateful=history is not None)
-            except _TemplateDied as e:
+            except OSError as e:  # from _run: the template is gone (or cannot be reached)
                 with self._lock:
                     if attempt == 1 or self._closed:
                         raise SandboxError(f"sandbox template died: {e}") from e
@@ -462,7 +457,9 @@ class Sandbox(contextlib.AbstractContextManager):
         """Run one block: 1) send its request to the template; 2) read its output until it
         has ended (its own report, or its exit) and every writer closed the output (at most
         0.2 s more: processes it left running die with its namespace, or, not contained,
-        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end."""
+        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end.
+        An OSError out of it (ConnectionError when the template stops answering) means the
+        template is gone: `run` restarts it."""
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -500,7 +497,7 @@ class Sandbox(contextlib.AbstractContextManager):
                 if sock in ready:
                     msg = sock.recv(4096)
                     if not msg:
-                        raise _TemplateDied("the template stopped answering")
+                        raise ConnectionError("the template stopped answering")
                     msg = json.loads(msg)
                     if "started" in msg and stop is None:  # its own time limit starts now
                         deadline = time.monotonic() + self.timeout
@@ -511,8 +508,6 @@ class Sandbox(contextlib.AbstractContextManager):
                         if not self.contained:  # what is left of its group
                             _signal(pid, signal.SIGKILL)
                     info.update(msg)
-        except OSError as e:  # the template is gone
-            raise _TemplateDied(str(e)) from e
         finally:
             self._running.discard(info.get("pid"))
             sock.close()
@@ -928,7 +923,8 @@ class Sample:
     plan_text, plan_tokens: the plan segment of `split_completion(text)` (the model text
         before its first python block, all of it if there is none) and the number of
         sampled tokens that start inside it.
-    final_text: the model's own text after its last output block (where pred comes from).
+    final_text: the model's own text after its last output block, up to a fence that ended
+        the turn (where pred comes from): the decoded text of the rollout's last segment.
     """
     prompt_ids: list
     ids: list
@@ -954,10 +950,10 @@ class _Row:
 
     def __init__(self, prompt_ids, max_context):
         self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
-        # seg_start: first id of the current segment (after the last output block); ids[read:]
-        # are not in text yet, ids[ctx:read] their context
-        self.prompt_len = self.seg_start = self.ctx = self.read = len(prompt_ids)
-        self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
+        # ids[read:] are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.ctx = self.read = len(prompt_ids)
+        # the current segment's (after the last output block) decoded text; where each model token starts in it
+        self.text, self.starts = "", []
         self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
         self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
         self.code = self.running = None  # the block being run; the sandbox's future for it
@@ -1133,9 +1129,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             #    that closed a block sends it to the sandbox now and decodes on when it is back
             idx = [b for b, w in enumerate(need) if w]
             if idx:
-                sel = torch.tensor(idx, device=device)
-                tokens, logps = sample_next_token(logits[sel], [gens[live[b]] for b in idx], temperature,
-                                                  top_p, top_k)
+                tokens, logps = sample_next_token(logits[idx], [gens[live[b]] for b in idx], temperature, top_p, top_k)
                 progress(len(idx), None)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
                     r = rows[live[b]]
@@ -1297,7 +1291,7 @@ def _append_output(r, res, tokenizer, max_context):
     r.ids += chunk
     r.logprobs += [math.nan] * len(chunk)
     # a new segment, decoded after the block's last token (so a leading space is kept)
-    r.text, r.starts, r.seg_start = "", [], len(r.ids)
+    r.text, r.starts = "", []
     r.ctx, r.read = len(r.ids) - 1, len(r.ids)
 
 
@@ -1305,8 +1299,6 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
                                             for lp in r.logprobs[r.prompt_len:]]
     comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
-    final = [t for t, role in zip(r.ids[r.seg_start:], roles[r.seg_start:]) if role == ROLE_MODEL and t not in stops]
-    final_text = tokenizer.decode(final)
     text = tokenizer.decode(comp)
     plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
     # the plan's tokens are those that start before its end (the decoded prefix grows with k),
@@ -1315,8 +1307,8 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
                                      key=lambda k: len(tokenizer.decode(comp[:k])))
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
-                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
-                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)
+                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
+                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
 
 
 # -----------------------------------------------------------------------------
