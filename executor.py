@@ -495,8 +495,7 @@ class Sandbox(contextlib.AbstractContextManager):
                     output.add(data)
                     out_open = bool(data)
                 if sock in ready:
-                    msg = sock.recv(4096)
-                    if not msg:
+                    if not (msg := sock.recv(4096)):
                         raise ConnectionError("the template stopped answering")
                     msg = json.loads(msg)
                     if "started" in msg and stop is None:  # its own time limit starts now
@@ -799,8 +798,8 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
-        probs = torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
-        cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
+        # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
+        cdf = torch.cumsum(torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1).double(), dim=-1)
         total = cdf[:, -1:]  # (B, 1)
         gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
         u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
@@ -975,8 +974,7 @@ def _kv_cache(model, max_len: int | None = None):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
     cache = DynamicCache(config=model.config)
-    slab = _slab_layer_class()
-    cache.layers = [slab(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -1127,8 +1125,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
             #    that closed a block sends it to the sandbox now and decodes on when it is back
-            idx = [b for b, w in enumerate(need) if w]
-            if idx:
+            if idx := [b for b, w in enumerate(need) if w]:
                 tokens, logps = sample_next_token(logits[idx], [gens[live[b]] for b in idx], temperature, top_p, top_k)
                 progress(len(idx), None)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
@@ -1472,8 +1469,7 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
             raise InputError(f"{where}: field '{key}': {value.text} is not a finite number")
         exact = Fraction(value.text)
         value = int(exact) if exact.denominator == 1 else value.text
-    value = str(value).strip()
-    if not value:
+    if not (value := str(value).strip()):
         raise InputError(f"{where}: field '{key}' is blank")
     return value
 
@@ -1731,8 +1727,7 @@ def number_value(answer: str):
     s = _FRACTION.sub(r"\1/\2", s)
     if _NUMBER.fullmatch(s):
         return Fraction(s.replace(",", ""))
-    m = _POWER.fullmatch(s)
-    if m:
+    if m := _POWER.fullmatch(s):
         base, exp = int(m[2]), int(m[3] or m[4])
         if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
             return math.inf
