@@ -1268,10 +1268,9 @@ def _trim_to_fence(r, cut, tokenizer):
         k = bisect.bisect_left(r.starts, r.starts[k - 1])
     new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
     n_drop = len(r.starts) - k
-    del r.ids[len(r.ids) - n_drop:], r.logprobs[len(r.logprobs) - n_drop:]
     r.n_model -= n_drop
-    r.ids += new
-    r.logprobs += [math.nan] * len(new)
+    r.ids[len(r.ids) - n_drop:] = new  # the dropped tokens, replaced by the environment's
+    r.logprobs[len(r.logprobs) - n_drop:] = [math.nan] * len(new)
     r.text, r.starts = r.text[:cut], r.starts[:k]
 
 
