@@ -435,15 +435,13 @@ class Sandbox(contextlib.AbstractContextManager):
                  and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
             generation = self._generation
-            if self._closed:
-                raise SandboxError("sandbox is closed")
             try:
                 with self._slots:
                     return self._run(code, prior, stateful=history is not None)
             except OSError as e:  # from _run: the template is gone (or cannot be reached)
                 with self._lock:
-                    if attempt == 1 or self._closed:
-                        raise SandboxError(f"sandbox template died: {e}") from e
+                    if attempt == 1 or self._closed:  # (closed: its control socket is, so _run fails)
+                        raise SandboxError(f"sandbox {'is closed' if self._closed else 'template died'}: {e}") from e
                     if generation == self._generation:  # (else another thread restarted it)
                         self._stop()
                         self._start()
