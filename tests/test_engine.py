@@ -76,11 +76,11 @@ def test_top_p_keeps_smallest_prefix_and_at_least_one():
     probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]], dtype=torch.float64)
 
     def kept(**kw):
-        return (ex.filter_top_p_top_k(probs, **kw) > 0).int().tolist()[0]
+        return (ex.top_k_top_p(probs.log(), **kw) > -float("inf")).int().tolist()[0]
     assert kept(top_p=0.75) == [0, 1, 0, 1]       # 0.5 + 0.3 >= 0.75
     assert kept(top_p=0.85) == [1, 1, 0, 1]
     assert kept(top_p=0.1) == [0, 1, 0, 0]        # never fewer than one
-    assert torch.equal(ex.filter_top_p_top_k(probs, top_p=1.0), probs)
+    assert torch.equal(ex.top_k_top_p(probs.log(), top_p=1.0), probs.log())
     assert kept(top_k=2) == [0, 1, 0, 1]
 
 
@@ -119,15 +119,14 @@ def test_g8_chunk_on_nonempty_cache_matches_full_forward(model, tokenizer, make_
     with torch.no_grad():
         cache = make_cache(model)
         mask = torch.zeros((2, 0), dtype=torch.long)
-        n_real = torch.zeros(2, dtype=torch.long)
-        _, mask, n_real = ex._forward_chunk(model, cache, mask, rows, n_real, tokenizer.pad_token_id)
-        _, mask, n_real = ex._forward_chunk(model, cache, mask, [[], [5]], n_real, tokenizer.pad_token_id)
-        last, mask, n_real = ex._forward_chunk(model, cache, mask, chunks, n_real, tokenizer.pad_token_id)
+        _, mask = ex._forward_chunk(model, cache, mask, rows, tokenizer.pad_token_id)
+        _, mask = ex._forward_chunk(model, cache, mask, [[], [5]], tokenizer.pad_token_id)
+        last, mask = ex._forward_chunk(model, cache, mask, chunks, tokenizer.pad_token_id)
         full = [rows[0] + chunks[0], rows[1] + [5] + chunks[1]]
         for b in range(2):
             ref = model(torch.tensor([full[b]])).logits[0, -1]
             assert (last[b] - ref).abs().max().item() < 1e-4
-        assert n_real.tolist() == [len(full[0]), len(full[1])]
+        assert mask.sum(dim=1).tolist() == [len(full[0]), len(full[1])]
 
 
 def test_sampler_logprobs_equal_one_full_forward(model, tokenizer, sandbox):
@@ -519,7 +518,7 @@ def test_top_k_then_top_p_keep_what_transformers_warpers_keep():
     the renormalised top-k distribution), float boundaries included."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-    assert (ex.filter_top_p_top_k(probs, top_p=0.5, top_k=2) > 0).tolist() == [[True, False, False, False]]
+    assert (ex.top_k_top_p(probs.log(), top_p=0.5, top_k=2) > -float("inf")).tolist() == [[True, False, False, False]]
     g = torch.Generator().manual_seed(0)
     cases = 0
     for trial in range(300):
@@ -535,7 +534,7 @@ def test_top_k_then_top_p_keep_what_transformers_warpers_keep():
             ref = TopKLogitsWarper(top_k)(None, ref)
         if top_p < 1.0:
             ref = TopPLogitsWarper(top_p)(None, ref)
-        kept = ex.filter_top_p_top_k(probs, top_p=top_p, top_k=top_k) > 0
+        kept = ex.top_k_top_p(probs.log(), top_p=top_p, top_k=top_k) > -float("inf")
         assert torch.equal(kept, ref > -float("inf")), (trial, top_k, top_p)
         cases += 1
         # and the sampler draws only kept tokens
