@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# The README's "Does it learn?" experiment (issue 20), on 2 CPU cores: GRPO on 400
-# exact-computation problems, then the same evaluation of the start and the trained policy
-# on 100 held-out problems of the same families (k = 4) and the first 100 GSM8K test
-# problems (k = 1). Usage: bash data/does_it_learn.sh STEPS [GSM8K_JSONL]
+# The README's "Does it learn?" experiment (issue 20), on 2 CPU cores: GRPO on
+# exact-computation problems (data/make_exact.py), then the same evaluation of the start
+# and the trained policy on 100 held-out problems of the same families (k = 4) and on the
+# first 50 GSM8K test problems (k = 1), then the training curves.
+# Usage, from the project root: bash data/does_it_learn.sh [STEPS] [GSM8K_JSONL]
 set -euo pipefail
-steps=${1:-16}
+steps=${1:-4}
 gsm8k=${2:-../shared/data/gsm8k_test.jsonl}
 python data/make_exact.py --seed 1 --n 400 --out data/exact_train.jsonl
 python data/make_exact.py --seed 2 --n 100 --exclude data/exact_train.jsonl --out data/exact_test.jsonl
 torchrun --standalone --nproc_per_node=1 grpo.py --data data/exact_train.jsonl --out runs/learn \
     --steps "$steps" --prompts-per-step 8 --group-size 4 --rollout-prompts 8 --lr 1e-5 --temperature 0.8 \
     --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --micro-batch 2 --chunk-size 256 \
-    --save-every 2 --keep-every 0 --no-save-optimizer --seed 0
-for model in qwen2.5-coder-0.5b runs/learn/latest; do
+    --save-every 2 --no-save-optimizer --seed 0
+for model in runs/learn/latest qwen2.5-coder-0.5b; do
     name=$([ "$model" = runs/learn/latest ] && echo trained || echo start)
-    python evaluate.py --model "$model" --data data/exact_test.jsonl --k 4 --batch-size 16 \
+    python evaluate.py --model "$model" --data data/exact_test.jsonl --k 4 --batch-size 25 \
         --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --seed 0 --out "runs/learn_eval_$name"
-    python evaluate.py --model "$model" --data "$gsm8k" --limit 100 --k 1 --batch-size 50 \
-        --max-context 1024 --max-new-tokens 320 --max-tool-calls 2 --seed 0 --out "runs/learn_gsm8k_$name"
+    python evaluate.py --model "$model" --data "$gsm8k" --limit 50 --k 1 --batch-size 50 \
+        --max-context 1024 --max-new-tokens 256 --max-tool-calls 2 --seed 0 --out "runs/learn_gsm8k_$name"
 done
 python evaluate.py --plot runs/learn
