@@ -587,8 +587,9 @@ def run(args) -> None:
         print0(f"{n_samples} samples ({len(benches)} benchmarks, k {args.k}), {len(waves)} waves of <= "
                f"{args.batch_size} problems, {world} ranks (rank r runs waves w % {world} == r); "
                f"{len(done)} samples already in {args.out}")
-        os.makedirs(args.out, exist_ok=True)   # every rank writes the same args.json, each atomically
-        ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+        os.makedirs(args.out, exist_ok=True)
+        if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
+            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
         # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
         #    No collective in here: ranks finish their waves at different times.

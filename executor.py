@@ -38,6 +38,7 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
+import decimal
 import errno
 import functools
 import glob
@@ -435,12 +436,14 @@ class Sandbox(contextlib.AbstractContextManager):
                  and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
         for attempt in range(2):
             generation = self._generation
+            if self._closed:
+                raise SandboxError("sandbox is closed")
             try:
                 with self._slots:
                     return self._run(code, prior, stateful=history is not None)
             except OSError as e:  # from _run: the template is gone (or cannot be reached)
                 with self._lock:
-                    if attempt == 1 or self._closed:  # (closed: its control socket is, so _run fails)
+                    if attempt == 1 or self._closed:
                         raise SandboxError(f"sandbox {'is closed' if self._closed else 'template died'}: {e}") from e
                     if generation == self._generation:  # (else another thread restarted it)
                         self._stop()
@@ -471,9 +474,12 @@ class Sandbox(contextlib.AbstractContextManager):
         info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf  # drain_end < inf: it ended
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
-            socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
-            for fd in (req, theirs.detach(), out_w):
-                os.close(fd)
+            try:
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+            finally:  # the template holds its own copies now (or never will)
+                os.close(req)
+                os.close(out_w)
+                theirs.close()
             while drain_end == math.inf or (out_open and time.monotonic() < drain_end):
                 now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
                 counting = self.contained and "started" in info and stop is None
@@ -576,7 +582,7 @@ def _join_output(output, note, max_chars):
     tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace") if cut else body
     if cut or max_chars and len(body) > max_chars:
         body, tail = body[:half], tail[-half:]
-        body = f"{body}\n... [{output.total - len(body.encode()) - len(tail.encode())} bytes of output cut] ...\n{tail}"
+        body = f"{body}\n... [{max(0, output.total - len(body.encode()) - len(tail.encode()))} bytes of output cut] ...\n{tail}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -1089,12 +1095,15 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
+        ValueError: an empty prompt.
         SandboxError: the sandbox itself failed.
     """
     import torch
 
     if not prompts:
         return []
+    if not all(prompts):  # a chat template always gives tokens; a caller's own list may not
+        raise ValueError("rollout: every prompt needs at least one token")
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -1176,7 +1185,7 @@ class RolloutProgress:
 
         self.done = self.tokens = self.blocks = self.errors = 0
         # a decode step is far shorter than a redraw: tqdm redraws at most once a second
-        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable, mininterval=1.0)
+        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable, mininterval=1.0, miniters=0)
         self.start = time.perf_counter()
 
     def __call__(self, tokens: int, done=None):
@@ -1215,7 +1224,9 @@ def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_t
         return "stop"
     if len(r.blocks) >= max_tool_calls:
         return "tool_budget"
-    return "length" if no_tokens_left else None  # (a block it has no tokens left to use is not run)
+    # after the trim (a token straddling the fence gave some back): a block it has no tokens
+    # left to use is not run
+    return "length" if max_new_tokens and r.n_model >= max_new_tokens else None
 
 
 def _decode_new(r, tokenizer) -> str:
@@ -1464,8 +1475,8 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InputError(f"{where}: field '{key}': {value.text} is not a finite number")
-        exact = Fraction(value.text)
-        value = int(exact) if exact.denominator == 1 else value.text
+        exact = decimal.Decimal(value.text)  # not Fraction: 1e-999999999 would build 10**999999999
+        value = int(exact) if exact == exact.to_integral_value() else value.text
     if not (value := str(value).strip()):
         raise InputError(f"{where}: field '{key}' is blank")
     return value

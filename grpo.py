@@ -606,6 +606,8 @@ def main(argv=None, reward_fn=None):
                                     logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
         step = st["step"]
         stream.load_state_dict(st["data"])
+        for group in optimizer.param_groups:  # the flags given now apply, as --help says
+            group["lr"], group["weight_decay"] = args.lr, args.weight_decay
 
     # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout wave for the summary
     show_bars, latest, last = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), {}
@@ -624,8 +626,9 @@ def main(argv=None, reward_fn=None):
                 sync_policy(model, policy)
             n_samples = args.prompts_per_step // world * args.group_size
             last["bar"] = executor.RolloutProgress(n_samples, f"step {step} rollout", not show_bars)
+            # delay: drawn only once update_policy has reset it, not beside the rollout bar
             train_bar = tqdm(total=0, desc=f"step {step} training", unit="micro-batch", leave=False,
-                             disable=not show_bars)
+                             disable=not show_bars, delay=0.5)
             metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
                                          lambda: stream.next(args.prompts_per_step), args, d, step,
                                          reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)

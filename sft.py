@@ -585,7 +585,8 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, logs=()) -> dict:
             load_optimizer_state(optimizer, state, ckpt_dir)
         rng = state["rng"]
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        if "numpy" in rng:  # (grpo checkpoints of before it was saved)
+            np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -640,7 +641,7 @@ def load_optimizer_state(opt, state: dict, where: str):
     n = state["world_size"]
     if not _is_zero(opt) or n != dist.get_world_size():
         raise ValueError(f"{where}: the optimizer state is sharded over {n} ranks (--shard-optimizer); "
-                         f"resume with --shard-optimizer on {n} ranks (or start the optimizer fresh)")
+                         f"resume with --shard-optimizer on {n} ranks, or start afresh from its weights with --model")
     opt.optim.load_state_dict(state["optimizer_shard"])
 
 
