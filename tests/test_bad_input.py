@@ -364,3 +364,12 @@ def test_help_shows_every_default(module, default, capsys):
         module.parse_args(["--help"])
     assert e.value.code == 0
     assert default in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.timeout(20)
+def test_a_tiny_number_with_a_huge_exponent_reads_at_once(tmp_path):
+    # JSON reads 1e-999999999 as 0.0 (finite); an exact Fraction of it would build
+    # 10**999999999 and stall read_problems for minutes (a fault of a cut, fixed by Decimal)
+    p = tmp_path / "n.jsonl"
+    p.write_text('{"problem": "a", "answer": 1e-999999999}\n{"problem": "b", "answer": 0e999999999}\n')
+    assert [r["answer"] for r in ex.read_problems(str(p))] == ["1e-999999999", "0"]

@@ -541,3 +541,9 @@ def test_top_k_then_top_p_keep_what_transformers_warpers_keep():
         tokens, _ = ex.sample_next_token(probs.log(), torch.Generator().manual_seed(trial), top_p=top_p, top_k=top_k)
         assert kept.gather(1, tokens[:, None]).all()
     assert cases == 300
+
+
+def test_rollout_refuses_an_empty_prompt_by_name(model, tokenizer, sandbox):
+    prompt = ex.build_prompt_ids(tokenizer, "Count the pairs.")
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        ex.rollout(model, tokenizer, [prompt, []], sandbox, max_new_tokens=1, seed=0)

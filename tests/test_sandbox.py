@@ -1181,3 +1181,14 @@ def test_cli_stateful_runs_files_as_one_trajectory(tmp_path):
     assert p.stdout == f"# {a}\na ran\n\n# {b}\n21\n\n"
     p = _cli(str(a), str(b))
     assert f"# {b}\n" in p.stdout and "NameError: name 'x' is not defined" in p.stdout
+
+
+def test_a_closed_sandbox_refuses_blocks_and_leaks_no_descriptor():
+    sb = Sandbox(workers=1, timeout=5)
+    assert sb.run("print(1)").output == "1\n"
+    sb.close()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(SandboxError, match="sandbox is closed"):
+            sb.run("print(2)")
+    assert len(os.listdir("/proc/self/fd")) == before
