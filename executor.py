@@ -582,7 +582,8 @@ def _join_output(output, note, max_chars):
     tail = bytes(output.tail[-output.half:]).decode("utf-8", "replace") if cut else body
     if cut or max_chars and len(body) > max_chars:
         body, tail = body[:half], tail[-half:]
-        body = f"{body}\n... [{max(0, output.total - len(body.encode()) - len(tail.encode()))} bytes of output cut] ...\n{tail}"
+        n_cut = max(0, output.total - len(body.encode()) - len(tail.encode()))  # (U+FFFD is 3 bytes)
+        body = f"{body}\n... [{n_cut} bytes of output cut] ...\n{tail}"
     if note:
         body += ("" if not body or body.endswith("\n") else "\n") + note
     return body
@@ -1185,7 +1186,9 @@ class RolloutProgress:
 
         self.done = self.tokens = self.blocks = self.errors = 0
         # a decode step is far shorter than a redraw: tqdm redraws at most once a second
-        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable, mininterval=1.0, miniters=0)
+        # miniters=0: redraw on update(0) too, so tok/s moves between finished samples
+        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable,
+                        mininterval=1.0, miniters=0)
         self.start = time.perf_counter()
 
     def __call__(self, tokens: int, done=None):
