@@ -547,3 +547,20 @@ def test_rollout_refuses_an_empty_prompt_by_name(model, tokenizer, sandbox):
     prompt = ex.build_prompt_ids(tokenizer, "Count the pairs.")
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         ex.rollout(model, tokenizer, [prompt, []], sandbox, max_new_tokens=1, seed=0)
+
+
+def test_a_block_closed_by_the_last_budgeted_token_still_runs(sandbox):
+    # "`" "`" "`\nThe" close the block with the budget's last three tokens; the trim gives
+    # one back (the environment writes "```" as "``" "`"), so the block runs (a fault of a
+    # cut checked the budget before the trim)
+    tok = tiny.make_tokenizer()
+    tok.add_tokens(["``", "`\nThe"])
+    tick, straddle = enc(tok, "`")[0], tok.get_vocab()["`\nThe"]
+    fence = [tick, tick, straddle]
+    base, eos, prompt, seg1, out_text, seg2, code = _trajectory_case(tok, fence, "```", sandbox)
+    assert len(enc(tok, "```")) == 2
+    expected = prompt + seg1 + enc(tok, "```") + enc(tok, out_text) + seg2 + [eos]
+    model = Scripted(base, [prompt + seg1 + fence + [eos], expected], eos)
+    out = ex.rollout(model, tok, [prompt], sandbox, temperature=0.0, max_new_tokens=len(seg1) + 3)[0]
+    assert [b["output"] for b in out.blocks] == ["42\n"]
+    assert out.blocks[0]["code"] == code
