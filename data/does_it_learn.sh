@@ -13,11 +13,10 @@ torchrun --standalone --nproc_per_node=1 grpo.py --data data/exact_train.jsonl -
     --steps "$steps" --prompts-per-step 8 --group-size 4 --rollout-prompts 8 --lr 1e-5 --temperature 0.8 \
     --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --micro-batch 2 --chunk-size 256 \
     --save-every 2 --no-save-optimizer --seed 0
-for model in runs/learn/latest qwen2.5-coder-0.5b; do
-    name=$([ "$model" = runs/learn/latest ] && echo trained || echo start)
-    python evaluate.py --model "$model" --data data/exact_test.jsonl --k 4 --batch-size 25 \
-        --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --seed 0 --out "runs/learn_eval_$name"
-    python evaluate.py --model "$model" --data "$gsm8k" --limit 50 --k 1 --batch-size 50 \
-        --max-context 1024 --max-new-tokens 256 --max-tool-calls 2 --seed 0 --out "runs/learn_gsm8k_$name"
+for m in runs/learn/latest qwen2.5-coder-0.5b; do
+    python evaluate.py --model "$m" --data data/exact_test.jsonl --k 4 --batch-size 25 \
+        --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --seed 0 --out "runs/learn_eval_$(basename "$m")"
+    python evaluate.py --model "$m" --data "$gsm8k" --limit 50 --k 1 --batch-size 50 \
+        --max-context 1024 --max-new-tokens 256 --max-tool-calls 2 --seed 0 --out "runs/learn_gsm8k_$(basename "$m")"
 done
 python evaluate.py --plot runs/learn

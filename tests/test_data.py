@@ -72,7 +72,6 @@ def test_exact_problems_answers_recomputed_and_held_out_disjoint(tmp_path):
         assert r["answer"] == str(recompute(r["problem"])), r["problem"]
     assert not {r["problem"] for r in train} & {r["problem"] for r in test}
     assert len({r["problem"] for r in test}) == 60
-    assert [recompute(r["problem"]) for r in test[:6]] == [int(r["answer"]) for r in test[:6]]
     assert make_exact.make(2, 60, {r["problem"] for r in train}) == test  # seeded: the same set again
 
 
