@@ -522,6 +522,18 @@ def test_resume_with_the_other_interpreter_policy_is_refused(tiny_dir, tmp_path,
     assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 1
 
 
+def test_resume_applies_the_lr_given_now(tiny_dir, tmp_path):
+    """--help says the flags given at resume apply: the step after a resume with a new --lr
+    runs at it (before, plain AdamW took the saved lr back from its state dict)."""
+    data = str(tmp_path / "probs.jsonl")
+    _write_problems(data, 2)
+    out = str(tmp_path / "o")
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1"), reward_fn=first_token_reward)
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "2", "--lr", "5e-3", "--resume", os.path.join(out, "latest")),
+              reward_fn=first_token_reward)
+    assert [m["lr"] for m in ex.read_jsonl_tolerant(os.path.join(out, "metrics.jsonl"))] == [1e-2, 5e-3]
+
+
 @pytest.mark.parametrize("flags, msg", [
     (("--group-size", "1"), "argument --group-size: expected an integer in [2, inf), got '1'"),
     (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
