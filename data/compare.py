@@ -9,20 +9,28 @@ With --families, a family is a problem's text with its numbers replaced by N (ma
 """
 import argparse
 import collections
-import json
+import os
 import re
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import evaluate  # noqa: E402
+import executor as ex  # noqa: E402
+
 
 def per_problem(path: str) -> dict:
-    """{problem id: (family, [0/1 for each sample])} from an evaluate.py samples file."""
+    """{problem id: (family, [0/1 for each sample])} from an evaluate.py samples file.
+    Raises InputError naming file and line for a bad row (evaluate.load_samples), or an
+    empty file."""
     rows = collections.defaultdict(list)
     family = {}
-    for line in open(path):
-        r = json.loads(line)
+    for r in evaluate.load_samples(path):
         rows[r["id"]].append(float(r["correct"]))
-        family[r["id"]] = re.sub(r"\d+", "N", r["problem"])
+        family[r["id"]] = re.sub(r"\d+", "N", r.get("problem", ""))
+    if not rows:
+        raise ex.InputError(f"{path}: no samples")
     return {i: (family[i], scores) for i, scores in rows.items()}
 
 
@@ -35,18 +43,18 @@ def paired_bootstrap(before: np.ndarray, after: np.ndarray, draws: int, seed: in
     return float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("before", help="samples.jsonl of the starting policy")
     p.add_argument("after", help="samples.jsonl of the trained policy, the same problems and k")
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
-    p.add_argument("--draws", type=int, default=10000, help="bootstrap resamples")
+    p.add_argument("--draws", type=ex.positive_int, default=10000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     a, b = per_problem(args.before), per_problem(args.after)
     if a.keys() != b.keys():
-        raise SystemExit(f"the two files hold different problems ({len(a)} and {len(b)} ids)")
+        raise ex.InputError(f"{args.before} and {args.after} hold different problems ({len(a)} and {len(b)} ids)")
     ids = sorted(a)
     for fam in sorted({a[i][0] for i in ids}) if args.families else []:
         right = [sum(sum(x[i][1]) for i in ids if a[i][0] == fam) for x in (a, b)]
@@ -57,3 +65,7 @@ if __name__ == "__main__":
     lo, hi = paired_bootstrap(before, after, args.draws, args.seed)
     print(f"avg@k {100 * before.mean():.1f} -> {100 * after.mean():.1f}: gain {100 * (after - before).mean():+.1f} "
           f"points, 95% paired bootstrap over {len(ids)} problems [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+
+
+if __name__ == "__main__":
+    sys.exit(ex.cli(main))

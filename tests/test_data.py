@@ -107,12 +107,19 @@ def test_exact_helpers_by_hand():
     assert [make_exact.divisor_count(n) for n in (1, 12, 36, 97)] == [1, 6, 9, 2]
 
 
+def sample_row(problem_id: str, problem: str, sample_idx: int, correct: bool) -> dict:
+    """A row as evaluate.py writes it (the fields evaluate.load_samples checks)."""
+    return {"id": problem_id, "problem": problem, "benchmark": "b", "answer": "6", "pred": "6", "correct": correct,
+            "sample_idx": sample_idx, "finish_reason": "stop", "completion": "", "blocks": [], "n_code_blocks": 0,
+            "n_exec_errors": 0, "completion_tokens": 1, "model_tokens": 1, "plan_tokens": 0}
+
+
 def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
     import compare
     import numpy as np
 
-    rows = [{"id": "p1", "problem": "What is 2 \\times 3?", "correct": c} for c in (True, False)]
-    rows += [{"id": "p2", "problem": "What is 4 \\times 5?", "correct": True}] * 2
+    rows = [sample_row("p1", "What is 2 \\times 3?", 0, True), sample_row("p1", "What is 2 \\times 3?", 1, False),
+            sample_row("p2", "What is 4 \\times 5?", 0, True), sample_row("p2", "What is 4 \\times 5?", 1, True)]
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert compare.per_problem(str(path)) == {"p1": ("What is N \\times N?", [1.0, 0.0]),
@@ -121,3 +128,19 @@ def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
     assert compare.paired_bootstrap(before, before + 0.25, 1000, 0) == (0.25, 0.25)  # every resample gains 0.25
     lo, hi = compare.paired_bootstrap(before, np.array([0.0, 0.25, 1.5]), 1000, 0)  # gains 0, 0, 1
     assert 0.0 <= lo < hi <= 1.0 and lo < 1 / 3 < hi
+
+
+def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
+    import compare
+
+    good, other = tmp_path / "good.jsonl", tmp_path / "other.jsonl"
+    good.write_text(json.dumps(sample_row("p1", "q", 0, True)) + "\n")
+    other.write_text(json.dumps(sample_row("p2", "q", 0, True)) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"id": "p1"}\n')
+    cases = [("empty.jsonl", "empty.jsonl: no samples"), ("bad.jsonl", "bad.jsonl:1: missing field(s) benchmark"),
+             ("other.jsonl", "hold different problems (1 and 1 ids)")]
+    for name, message in cases:
+        assert ex.cli(compare.main, [str(good), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("compare.py: error: ") and message in err and err.count("\n") == 1, err
