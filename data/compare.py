@@ -1,4 +1,4 @@
-"""Compare two evaluations of the same problems (the README's "Does it learn?", issue 20):
+"""Compare two evaluations of the same problems (the README's "Does it learn?"):
 each policy's right samples per problem family, and the gain in avg@k with a 95% paired
 bootstrap interval over problems (a problem's two mean scores are resampled together, so
 the interval reflects which problems were drawn, not only the k samples of each).
@@ -8,7 +8,6 @@ the interval reflects which problems were drawn, not only the k samples of each)
 With --families, a family is a problem's text with its numbers replaced by N (make_exact.py's templates).
 """
 import argparse
-import collections
 import os
 import re
 import sys
@@ -21,17 +20,26 @@ import executor as ex  # noqa: E402
 
 
 def per_problem(path: str) -> dict:
-    """{problem id: (family, [0/1 for each sample])} from an evaluate.py samples file.
-    Raises InputError naming file and line for a bad row (evaluate.load_samples), or an
-    empty file."""
-    rows = collections.defaultdict(list)
-    family = {}
+    """{(benchmark, problem id): (problem text, [0/1 for each sample])} from an
+    evaluate.py samples file. Raises InputError naming file and line for a bad row
+    (evaluate.load_samples), or an empty file."""
+    rows = {}
     for r in evaluate.load_samples(path):
-        rows[r["id"]].append(float(r["correct"]))
-        family[r["id"]] = re.sub(r"\d+", "N", r.get("problem", ""))
+        rows.setdefault((r["benchmark"], r["id"]), (r.get("problem", ""), []))[1].append(float(r["correct"]))
     if not rows:
         raise ex.InputError(f"{path}: no samples")
-    return {i: (family[i], scores) for i, scores in rows.items()}
+    return rows
+
+
+def check_paired(a: dict, b: dict, path_a: str, path_b: str) -> None:
+    """Raises InputError unless the two files hold the same problems, each with the same
+    text and number of samples: only then are their means paired problem by problem."""
+    if a.keys() != b.keys():
+        raise ex.InputError(f"{path_a} and {path_b} hold different problems ({len(a)} and {len(b)} ids)")
+    for key in sorted(a):
+        if a[key][0] != b[key][0] or len(a[key][1]) != len(b[key][1]):
+            raise ex.InputError(f"{path_a} and {path_b} differ on problem {key}: its text or its number of "
+                                f"samples ({len(a[key][1])} and {len(b[key][1])})")
 
 
 def paired_bootstrap(before: np.ndarray, after: np.ndarray, draws: int, seed: int) -> tuple[float, float]:
@@ -53,12 +61,12 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     args = p.parse_args(argv)
     a, b = per_problem(args.before), per_problem(args.after)
-    if a.keys() != b.keys():
-        raise ex.InputError(f"{args.before} and {args.after} hold different problems ({len(a)} and {len(b)} ids)")
+    check_paired(a, b, args.before, args.after)
     ids = sorted(a)
-    for fam in sorted({a[i][0] for i in ids}) if args.families else []:
-        right = [sum(sum(x[i][1]) for i in ids if a[i][0] == fam) for x in (a, b)]
-        n = sum(len(a[i][1]) for i in ids if a[i][0] == fam)
+    family = {i: re.sub(r"\d+", "N", a[i][0]) for i in ids}
+    for fam in sorted(set(family.values())) if args.families else []:
+        right = [sum(sum(x[i][1]) for i in ids if family[i] == fam) for x in (a, b)]
+        n = sum(len(a[i][1]) for i in ids if family[i] == fam)
         print(f"{right[0]:4.0f} -> {right[1]:4.0f} of {n:4d}  {fam}")
     before = np.array([np.mean(a[i][1]) for i in ids])
     after = np.array([np.mean(b[i][1]) for i in ids])

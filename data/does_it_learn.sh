@@ -5,17 +5,19 @@
 # (data/exact_test.jsonl, k = 4) and on the first 100 GSM8K test problems (k = 1), then the
 # comparison and the training curves. The two data files are what data/make_exact.py writes
 # (see its docstring; tests/test_data.py checks it). Every evaluation resumes where a killed
-# one stopped; a killed training run continues with --resume runs/learn/latest.
+# one stopped.
 # Usage, from the project root: bash data/does_it_learn.sh [STEPS] [GSM8K_JSONL]
 set -euo pipefail
 steps=${1:-4}
 gsm8k=${2:-../shared/data/gsm8k_test.jsonl}
-if [ ! -e runs/learn/metrics.jsonl ]; then
-    torchrun --standalone --nproc_per_node=1 grpo.py --data data/exact_train.jsonl --out runs/learn \
-        --steps "$steps" --prompts-per-step 8 --group-size 4 --rollout-prompts 8 --lr 1e-5 --temperature 0.8 \
-        --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --micro-batch 2 --chunk-size 256 \
-        --save-every 2 --no-save-optimizer --seed 0
-fi
+# a rerun continues the run from runs/learn/latest (or only reports, when it is at STEPS);
+# AdamW then starts fresh, as the checkpoints hold no optimizer state (--no-save-optimizer)
+resume=""
+if [ -e runs/learn/latest ]; then resume="--resume runs/learn/latest"; fi
+torchrun --standalone --nproc_per_node=1 grpo.py --data data/exact_train.jsonl --out runs/learn \
+    --steps "$steps" --prompts-per-step 8 --group-size 4 --rollout-prompts 8 --lr 1e-5 --temperature 0.8 \
+    --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --micro-batch 2 --chunk-size 256 \
+    --save-every 2 --no-save-optimizer --seed 0 $resume
 for m in runs/learn/latest qwen2.5-coder-0.5b; do
     python evaluate.py --model "$m" --data data/exact_test.jsonl --k 4 --batch-size 25 \
         --max-context 768 --max-new-tokens 192 --max-tool-calls 2 --seed 0 --out "runs/learn_eval_$(basename "$m")"

@@ -13,6 +13,7 @@ again, so the held-out set shares no problem with the training set.
 """
 import argparse
 import json
+import os
 import random
 
 
@@ -59,29 +60,42 @@ def draw(rng: random.Random, family: int) -> tuple[str, int]:
     return f"How many integers from 1 to {n} are divisible by {a} or {b} but not by {c}?", count
 
 
-def make(seed: int, n: int, exclude: set[str]) -> list[dict]:
-    """n problems, families in turn, none whose text is in `exclude` or repeated."""
+def make(seed: int, n: int, exclude: set[str], max_draws: int = 100_000) -> list[dict]:
+    """n problems, families in turn, none whose text is in `exclude` or repeated.
+    Raises ValueError after `max_draws` draws (a family has only so many problems: the
+    digit sum of 2^n, 161)."""
     rng = random.Random(seed)
     seen = set(exclude)
     rows = []
-    while len(rows) < n:
+    for _ in range(max_draws):
+        if len(rows) == n:
+            return rows
         problem, answer = draw(rng, len(rows) % 6)
         if problem in seen:
             continue
         seen.add(problem)
         rows.append({"id": f"exact-s{seed}-{len(rows):04d}", "problem": problem, "answer": str(answer)})
-    return rows
+    if len(rows) == n:
+        return rows
+    raise ValueError(f"only {len(rows)} of {n} distinct problems after {max_draws} draws: ask for fewer")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seed", type=int, default=1, help="RNG seed")
-    p.add_argument("--n", type=int, default=400, help="problems to write")
+    p.add_argument("--n", type=int, default=400, help="problems to write (at most about 900: see make)")
     p.add_argument("--exclude", nargs="*", default=[], help="JSONL files whose problems are not drawn")
     p.add_argument("--out", required=True, help="JSONL to write")
     args = p.parse_args()
-    excluded = {json.loads(line)["problem"] for path in args.exclude for line in open(path)}
-    with open(args.out, "w") as f:
-        for row in make(args.seed, args.n, excluded):
-            f.write(json.dumps(row) + "\n")
+    if args.n < 1:
+        p.error(f"--n must be >= 1, got {args.n}")
+    try:
+        excluded = {json.loads(line)["problem"] for path in args.exclude for line in open(path) if line.strip()}
+        rows = make(args.seed, args.n, excluded)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(str(e))
+    # written whole, then renamed: a failed run leaves the old file as it was
+    with open(args.out + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(args.out + ".tmp", args.out)

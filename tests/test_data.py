@@ -100,6 +100,14 @@ def test_exact_problems_files_in_the_repo_are_what_the_script_writes():
     assert read_jsonl("exact_test.jsonl") == make_exact.make(2, 100, {r["problem"] for r in train})
 
 
+@pytest.mark.timeout(30)
+def test_exact_problems_beyond_what_the_families_hold_are_refused():
+    """The digit sum of 2^n has 161 problems (n in 40..200), so 6 x 161 + 2 = 968 rows is the
+    most: more is refused (before, make() drew forever)."""
+    with pytest.raises(ValueError, match="only 968 of 1000 distinct problems after 100000 draws"):
+        make_exact.make(1, 1000, set())
+
+
 def test_exact_helpers_by_hand():
     assert long_product("1234", "5678") == 7006652 and digit_sum(2**15) == 3 + 2 + 7 + 6 + 8
     assert make_exact.primes_below(20) == [2, 3, 5, 7, 11, 13, 17, 19]
@@ -122,8 +130,8 @@ def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
             sample_row("p2", "What is 4 \\times 5?", 0, True), sample_row("p2", "What is 4 \\times 5?", 1, True)]
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert compare.per_problem(str(path)) == {"p1": ("What is N \\times N?", [1.0, 0.0]),
-                                              "p2": ("What is N \\times N?", [1.0, 1.0])}
+    assert compare.per_problem(str(path)) == {("b", "p1"): ("What is 2 \\times 3?", [1.0, 0.0]),
+                                              ("b", "p2"): ("What is 4 \\times 5?", [1.0, 1.0])}
     before = np.array([0.0, 0.25, 0.5])
     assert compare.paired_bootstrap(before, before + 0.25, 1000, 0) == (0.25, 0.25)  # every resample gains 0.25
     lo, hi = compare.paired_bootstrap(before, np.array([0.0, 0.25, 1.5]), 1000, 0)  # gains 0, 0, 1
@@ -133,13 +141,17 @@ def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
 def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
     import compare
 
-    good, other = tmp_path / "good.jsonl", tmp_path / "other.jsonl"
+    good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(sample_row("p1", "q", 0, True)) + "\n")
-    other.write_text(json.dumps(sample_row("p2", "q", 0, True)) + "\n")
+    (tmp_path / "other.jsonl").write_text(json.dumps(sample_row("p2", "q", 0, True)) + "\n")
+    (tmp_path / "text.jsonl").write_text(json.dumps(sample_row("p1", "q2", 0, True)) + "\n")
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps(sample_row("p1", "q", j, True)) + "\n" for j in (0, 1)))
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"id": "p1"}\n')
     cases = [("empty.jsonl", "empty.jsonl: no samples"), ("bad.jsonl", "bad.jsonl:1: missing field(s) benchmark"),
-             ("other.jsonl", "hold different problems (1 and 1 ids)")]
+             ("other.jsonl", "hold different problems (1 and 1 ids)"),
+             ("text.jsonl", "differ on problem ('b', 'p1'): its text or its number of samples (1 and 1)"),
+             ("more.jsonl", "differ on problem ('b', 'p1'): its text or its number of samples (1 and 2)")]
     for name, message in cases:
         assert ex.cli(compare.main, [str(good), str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
