@@ -1,5 +1,5 @@
 """Problems whose answers need exact computation: the setting of the README's "Does it
-learn?" experiment (issue 20). Six families, drawn in turn from a seeded RNG: a product of
+learn?" experiment. Six families, drawn in turn from a seeded RNG: a product of
 a 4-5-digit and a 4-digit number, a^e mod m, the digit sum of 2^n, the sum of the primes
 below n, the divisor count of n, and an inclusion-exclusion count. An untrained small
 model mostly answers these in prose and gets them wrong; a short program gets them right.
@@ -69,22 +69,21 @@ def make(seed: int, n: int, exclude: set[str], max_draws: int = 100_000) -> list
     rows = []
     for _ in range(max_draws):
         if len(rows) == n:
-            return rows
+            break
         problem, answer = draw(rng, len(rows) % 6)
-        if problem in seen:
-            continue
-        seen.add(problem)
-        rows.append({"id": f"exact-s{seed}-{len(rows):04d}", "problem": problem, "answer": str(answer)})
-    if len(rows) == n:
-        return rows
-    raise ValueError(f"only {len(rows)} of {n} distinct problems after {max_draws} draws: ask for fewer")
+        if problem not in seen:
+            seen.add(problem)
+            rows.append({"id": f"exact-s{seed}-{len(rows):04d}", "problem": problem, "answer": str(answer)})
+    if len(rows) < n:
+        raise ValueError(f"only {len(rows)} of {n} distinct problems after {max_draws} draws: ask for fewer")
+    return rows
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seed", type=int, default=1, help="RNG seed")
-    p.add_argument("--n", type=int, default=400, help="problems to write (at most about 900: see make)")
+    p.add_argument("--n", type=int, default=400, help="problems to write (at most 968, fewer with --exclude: see make)")
     p.add_argument("--exclude", nargs="*", default=[], help="JSONL files whose problems are not drawn")
     p.add_argument("--out", required=True, help="JSONL to write")
     args = p.parse_args()

@@ -82,7 +82,7 @@ def recompute(problem: str) -> int:
 
 
 def read_jsonl(name: str) -> list[dict]:
-    return [json.loads(line) for line in open(f"{ROOT}/data/{name}")]
+    return [row for _, row in ex.read_jsonl(f"{ROOT}/data/{name}")]
 
 
 @pytest.mark.timeout(120)
@@ -134,8 +134,9 @@ def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
                                               ("b", "p2"): ("What is 4 \\times 5?", [1.0, 1.0])}
     before = np.array([0.0, 0.25, 0.5])
     assert compare.paired_bootstrap(before, before + 0.25, 1000, 0) == (0.25, 0.25)  # every resample gains 0.25
-    lo, hi = compare.paired_bootstrap(before, np.array([0.0, 0.25, 1.5]), 1000, 0)  # gains 0, 0, 1
-    assert 0.0 <= lo < hi <= 1.0 and lo < 1 / 3 < hi
+    # gains 0, 0, 1: a resample's mean is 0 with probability (2/3)^3 = 0.30 and 1 with
+    # (1/3)^3 = 0.037, so both percentiles (2.5 and 97.5) fall on those two values
+    assert compare.paired_bootstrap(before, np.array([0.0, 0.25, 1.5]), 1000, 0) == (0.0, 1.0)
 
 
 def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
