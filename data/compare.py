@@ -1,4 +1,4 @@
-"""Compare two evaluations of the same problems (the README's "Does it learn?"):
+"""Compare two evaluations of the same problems (data/README.md, "Does it learn?"):
 each policy's right samples per problem family, and the gain in avg@k with a 95% paired
 bootstrap interval over problems (a problem's two mean scores are resampled together, so
 the interval reflects which problems were drawn, not only the k samples of each).

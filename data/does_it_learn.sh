@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's "Does it learn?" experiment, on 2 CPU cores: GRPO on
+# The "Does it learn?" experiment of data/README.md, on 2 CPU cores: GRPO on
 # exact-computation problems (data/exact_train.jsonl), then the same evaluation of the start
 # and the trained policy on the 100 held-out problems of the same families
 # (data/exact_test.jsonl, k = 4) and on the first 100 GSM8K test problems (k = 1), then the

@@ -1,4 +1,4 @@
-"""Problems whose answers need exact computation: the setting of the README's "Does it
+"""Problems whose answers need exact computation: the setting of data/README.md's "Does it
 learn?" experiment. Six families, drawn in turn from a seeded RNG: a product of
 a 4-5-digit and a 4-digit number, a^e mod m, the digit sum of 2^n, the sum of the primes
 below n, the divisor count of n, and an inclusion-exclusion count. An untrained small
