@@ -1,8 +1,9 @@
 """Problems whose answers need exact computation: the setting of data/README.md's "Does it
 learn?" experiment. Six families, drawn in turn from a seeded RNG: a product of
 a 4-5-digit and a 4-digit number, a^e mod m, the digit sum of 2^n, the sum of the primes
-below n, the divisor count of n, and an inclusion-exclusion count. An untrained small
-model mostly answers these in prose and gets them wrong; a short program gets them right.
+below n, the divisor count of n, and an inclusion-exclusion count (a, b, c distinct, none
+dividing another). An untrained small model mostly answers these in prose and gets them
+wrong; a short program gets them right.
 
     python data/make_exact.py --seed 1 --n 400 --out data/exact_train.jsonl
     python data/make_exact.py --seed 2 --n 100 --exclude data/exact_train.jsonl --out data/exact_test.jsonl
@@ -38,6 +39,12 @@ def divisor_count(n: int) -> int:
     return count
 
 
+def proper_triple(a: int, b: int, c: int) -> bool:
+    """True iff a, b, c are distinct and none divides another: else "divisible by a or b but
+    not by c" collapses (c = a, or a | b, leaves one condition or none)."""
+    return all(x % y for x, y in ((a, b), (b, a), (a, c), (c, a), (b, c), (c, b)))
+
+
 def draw(rng: random.Random, family: int) -> tuple[str, int]:
     """One problem of a family (0-5): (its text, its answer)."""
     if family == 0:
@@ -56,6 +63,11 @@ def draw(rng: random.Random, family: int) -> tuple[str, int]:
         n = rng.randint(1000, 100000)
         return f"How many positive divisors does {n} have?", divisor_count(n)
     n, a, b, c = rng.randint(200, 5000), rng.randint(2, 9), rng.randint(2, 13), rng.randint(2, 11)
+    # a degenerate triple is drawn again from an RNG seeded by this draw, not from `rng`, so
+    # the other families' problems stay those drawn before the triple had to be proper
+    redraw = random.Random(f"{n} {a} {b} {c}")
+    while not proper_triple(a, b, c):
+        a, b, c = redraw.randint(2, 9), redraw.randint(2, 13), redraw.randint(2, 11)
     count = sum(1 for x in range(1, n + 1) if (x % a == 0 or x % b == 0) and x % c != 0)
     return f"How many integers from 1 to {n} are divisible by {a} or {b} but not by {c}?", count
 
