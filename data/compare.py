@@ -1,16 +1,36 @@
-"""Compare two evaluations of the same problems (data/README.md, "Does it learn?"):
-each policy's right samples per problem family, and the gain in avg@k with a 95% paired
-bootstrap interval over problems (a problem's two mean scores are resampled together, so
-the interval reflects which problems were drawn, not only the k samples of each).
+"""Compare evaluations of the same problems (data/README.md's "Does it learn?", data/recipe.sh):
+a row per policy, then its gain over the first policy with a paired test over problems.
 
-    python data/compare.py --families runs/learn_eval_qwen2.5-coder-0.5b/samples.jsonl runs/learn_eval_latest/samples.jsonl
+A row: accuracy (avg@k) with a 95% bootstrap interval over problems, accuracy among the
+finished samples (ended by EOS: `finish_reason` 'stop'), the finish rate. A gain: the mean
+over problems of (its avg@k - the first's), with a 95% paired bootstrap interval (a
+problem's two mean scores are resampled together, so the interval reflects which problems
+were drawn, not only the k samples of each), and at k = 1 the exact McNemar test (two-sided
+binomial test on the problems right under one policy only). Then the constant-answer
+baseline: the share of problems whose answer is the most common one, what always writing
+that answer scores. With --families, the right samples per problem family and each
+family's constant-answer baseline.
 
-With --families, a family is a problem's text with its numbers replaced by N (make_exact.py's templates).
+    python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
+    python data/compare.py --budgets 384,512,768,1024,1536 runs/recipe/budget/samples.jsonl
+
+With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
+a sample finishes within B model tokens iff it ended by EOS after at most B (sampling is
+seeded per wave and row, so the same run at budget B writes the same first B tokens); the
+last line printed is the smallest budget at which >= --min-finished of the samples finish.
+
+A path ending in .gz is read as gzip. A family is a problem's text with its numbers
+replaced by N (make_exact.py's templates).
 """
 import argparse
+import gzip
+import math
 import os
 import re
+import shutil
 import sys
+import tempfile
+from collections import Counter
 
 import numpy as np
 
@@ -19,13 +39,30 @@ import evaluate  # noqa: E402
 import executor as ex  # noqa: E402
 
 
+def load(path: str) -> list:
+    """The rows of an evaluate.py samples file (evaluate.load_samples), gunzipped first if
+    the name ends in .gz. Raises InputError naming `path` and the line for a bad row."""
+    if not path.endswith(".gz"):
+        return evaluate.load_samples(path)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = os.path.join(tmp_dir, "samples.jsonl")
+        with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        try:
+            return evaluate.load_samples(tmp)
+        except ex.InputError as e:
+            raise ex.InputError(str(e).replace(tmp, path)) from None
+
+
 def per_problem(path: str) -> dict:
-    """{(benchmark, problem id): (problem text, [0/1 for each sample])} from an
-    evaluate.py samples file. Raises InputError naming file and line for a bad row
-    (evaluate.load_samples), or an empty file."""
+    """{(benchmark, problem id): (problem text, gold answer, [0/1 correct for each sample],
+    [0/1 finished for each sample])} from a samples file. Raises InputError naming file and
+    line for a bad row (evaluate.load_samples), or an empty file."""
     rows = {}
-    for r in evaluate.load_samples(path):
-        rows.setdefault((r["benchmark"], r["id"]), (r.get("problem", ""), []))[1].append(float(r["correct"]))
+    for r in load(path):
+        cell = rows.setdefault((r["benchmark"], r["id"]), (r.get("problem", ""), r["answer"], [], []))
+        cell[2].append(float(r["correct"]))
+        cell[3].append(float(r["finish_reason"] == "stop"))
     if not rows:
         raise ex.InputError(f"{path}: no samples")
     return rows
@@ -37,42 +74,123 @@ def check_paired(a: dict, b: dict, path_a: str, path_b: str) -> None:
     if a.keys() != b.keys():
         raise ex.InputError(f"{path_a} and {path_b} hold different problems ({len(a)} and {len(b)} ids)")
     for key in sorted(a):
-        if a[key][0] != b[key][0] or len(a[key][1]) != len(b[key][1]):
+        if a[key][0] != b[key][0] or len(a[key][2]) != len(b[key][2]):
             raise ex.InputError(f"{path_a} and {path_b} differ on problem {key}: its text or its number of "
-                                f"samples ({len(a[key][1])} and {len(b[key][1])})")
+                                f"samples ({len(a[key][2])} and {len(b[key][2])})")
 
 
 def paired_bootstrap(before: np.ndarray, after: np.ndarray, draws: int, seed: int) -> tuple[float, float]:
     """The 2.5th and 97.5th percentiles of mean(after - before) over problems resampled
-    with replacement; before, after: [problems] mean scores in [0, 1]."""
+    with replacement; before, after: [problems] mean scores in [0, 1]. With before all
+    zeros it is the percentile interval of after's own mean."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(before), size=(draws, len(before)))
     gains = (after - before)[idx].mean(axis=1)
     return float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))
 
 
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value: b, c >= 0 problems right under only one policy each;
+    under no difference each of the b + c is either with probability 1/2, so
+    p = min(1, 2 P[Binomial(b + c, 1/2) <= min(b, c)])."""
+    n = b + c
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n)
+
+
+def constant_baseline(answers: list) -> tuple[str, float]:
+    """(the most common answer, the share of `answers` equal to it): what a policy that
+    always writes it scores. Ties go to the smallest answer string; [] gives ('', 0.0)."""
+    counts = Counter(answers)
+    best = max(sorted(counts), key=counts.get, default="")
+    return best, counts[best] / len(answers) if answers else 0.0
+
+
+def finish_rate(rows: list, budget: int) -> float:
+    """The share of samples that end by EOS ('stop') within `budget` model tokens."""
+    return sum(r["finish_reason"] == "stop" and r["model_tokens"] <= budget for r in rows) / len(rows)
+
+
+def budget_list(text: str) -> list[int]:
+    """An argparse type: '384,768' -> [384, 768]; each a positive integer."""
+    return [ex.positive_int(b) for b in text.split(",")]
+
+
+def label(path: str) -> str:
+    """A short row name: the file name without .gz, .jsonl and .samples, or its folder's
+    name for a plain samples.jsonl."""
+    name = os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
+    if name == "samples":
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return name.removesuffix(".samples")
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("before", help="samples.jsonl of the starting policy")
-    p.add_argument("after", help="samples.jsonl of the trained policy, the same problems and k")
+    p.add_argument("samples", nargs="+", help="samples.jsonl[.gz] of each policy, the same problems and k; "
+                                              "the first is the one the others are compared with")
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
+    p.add_argument("--budgets", type=budget_list, help="model tokens, comma-separated (384,768): the finish rate "
+                                                         "at each (one file, sampled at the largest)")
+    p.add_argument("--min-finished", type=float, default=0.85, help="--budgets: the finish rate to reach")
     p.add_argument("--draws", type=ex.positive_int, default=10000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     args = p.parse_args(argv)
-    a, b = per_problem(args.before), per_problem(args.after)
-    check_paired(a, b, args.before, args.after)
-    ids = sorted(a)
-    family = {i: re.sub(r"\d+", "N", a[i][0]) for i in ids}
-    for fam in sorted(set(family.values())) if args.families else []:
-        right = [sum(sum(x[i][1]) for i in ids if family[i] == fam) for x in (a, b)]
-        n = sum(len(a[i][1]) for i in ids if family[i] == fam)
-        print(f"{right[0]:4.0f} -> {right[1]:4.0f} of {n:4d}  {fam}")
-    before = np.array([np.mean(a[i][1]) for i in ids])
-    after = np.array([np.mean(b[i][1]) for i in ids])
-    lo, hi = paired_bootstrap(before, after, args.draws, args.seed)
-    print(f"avg@k {100 * before.mean():.1f} -> {100 * after.mean():.1f}: gain {100 * (after - before).mean():+.1f} "
-          f"points, 95% paired bootstrap over {len(ids)} problems [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    if args.budgets:
+        rows = load(args.samples[0])
+        if not rows:
+            raise ex.InputError(f"{args.samples[0]}: no samples")
+        rates = {b: finish_rate(rows, b) for b in sorted(args.budgets)}
+        for b, rate in rates.items():
+            print(f"budget {b}: {pct(rate)}% of {len(rows)} samples finished")
+        fits = [b for b, rate in rates.items() if rate >= args.min_finished]
+        if not fits:
+            raise ex.InputError(f"{args.samples[0]}: no budget of {sorted(args.budgets)} finishes "
+                                f"{pct(args.min_finished)}% of the samples")
+        print(fits[0])
+        return
+    runs = [per_problem(path) for path in args.samples]
+    for path, run in zip(args.samples[1:], runs[1:]):
+        check_paired(runs[0], run, args.samples[0], path)
+    ids = sorted(runs[0])
+    k = len(runs[0][ids[0]][2])
+    first = np.array([np.mean(runs[0][i][2]) for i in ids])
+    print(f"{len(ids)} problems, k = {k}; gains are over {label(args.samples[0])}\n")
+    print("| policy | accuracy [95% CI] | among finished | finished | gain [95% paired CI] | McNemar p (b, c) |")
+    print("|---|---|---|---|---|---|")
+    for path, run in zip(args.samples, runs):
+        scores = np.array([np.mean(run[i][2]) for i in ids])  # (problems,)
+        right = np.array([x for i in ids for x in run[i][2]])  # (problems * k,)
+        done = np.array([x for i in ids for x in run[i][3]])  # (problems * k,)
+        lo, hi = paired_bootstrap(np.zeros(len(ids)), scores, args.draws, args.seed)
+        right_done = (right * done).sum()
+        among = f"{pct(right_done / done.sum())} ({right_done:.0f} of {done.sum():.0f})" if done.sum() else "-"
+        glo, ghi = paired_bootstrap(first, scores, args.draws, args.seed)
+        gain = f"{100 * (scores - first).mean():+.1f} [{100 * glo:+.1f}, {100 * ghi:+.1f}]"
+        # at k = 1 a problem's score is 0 or 1: b problems right only here, c only in the first
+        b, c = int(((scores == 1) & (first == 0)).sum()), int(((scores == 0) & (first == 1)).sum())
+        test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})" if k == 1 else "-"
+        if run is runs[0]:
+            gain, test = "-", "-"
+        print(f"| {label(path)} | {pct(scores.mean())} [{pct(lo)}, {pct(hi)}] | {among} | {pct(done.mean())} | "
+              f"{gain} | {test} |")
+    answer, share = constant_baseline([runs[0][i][1] for i in ids])
+    print(f"\nconstant answer {answer!r}: {pct(share)}% of the {len(ids)} problems")
+    if not args.families:
+        return
+    family = {i: re.sub(r"\d+", "N", runs[0][i][0]) for i in ids}
+    print("\n| family | problems | constant answer | " + " | ".join(label(s) for s in args.samples) + " |")
+    print("|---|---|---|" + "---|" * len(runs))
+    for fam in sorted(set(family.values())):
+        members = [i for i in ids if family[i] == fam]
+        answer, share = constant_baseline([runs[0][i][1] for i in members])
+        n = sum(len(runs[0][i][2]) for i in members)
+        cells = [f"{sum(sum(run[i][2]) for i in members):.0f} of {n}" for run in runs]
+        print(f"| {fam} | {len(members)} | {pct(share)}% ({answer}) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The problem sets in data/: the demo set and the "Does it learn?" sets; every answer is
 recomputed here by code."""
+import gzip
 import itertools
 import json
 import math
@@ -108,6 +109,52 @@ def test_exact_problems_beyond_what_the_families_hold_are_refused():
         make_exact.make(1, 1000, set())
 
 
+def inclusion_exclusion_triples(rows: list) -> list:
+    """(a, b, c) of every "divisible by a or b but not by c" problem in rows."""
+    matches = [re.fullmatch(PATTERNS[5][0], r["problem"]) for r in rows]
+    return [tuple(int(x) for x in m.groups()[1:]) for m in matches if m]
+
+
+def degenerate(a: int, b: int, c: int) -> bool:
+    """Two of a, b, c equal, or one divides another (written apart from make_exact's test)."""
+    return len({a, b, c}) < 3 or any(x % y == 0 for x in (a, b, c) for y in (a, b, c) if x != y)
+
+
+@pytest.mark.timeout(60)
+def test_inclusion_exclusion_triples_are_distinct_and_none_divides_another():
+    """tests/faults.md P1. Before, make_exact drew a, b, c independently: 40 of the 66 training
+    and 12 of the 16 held-out problems had two equal ("by 8 or 12 but not by 8") or one
+    dividing another."""
+    train = read_jsonl("exact_train.jsonl")
+    drawn = make_exact.make(3, 600, set())
+    for rows, n in ((train, 66), (read_jsonl("exact_test.jsonl"), 16), (drawn, 100)):
+        triples = inclusion_exclusion_triples(rows)
+        assert len(triples) == n and not [t for t in triples if degenerate(*t)], triples
+
+
+@pytest.mark.timeout(60)
+def test_inclusion_exclusion_redraw_leaves_the_other_families_as_they_were(monkeypatch):
+    """A degenerate triple is redrawn from its own RNG, so only those problems changed when the
+    files were regenerated: with the check off (the old generator), the rows differ exactly
+    at the 40 degenerate draws of seed 1."""
+    new = make_exact.make(1, 400, set())
+    monkeypatch.setattr(make_exact, "proper_triple", lambda a, b, c: True)
+    old = make_exact.make(1, 400, set())
+    changed = [i for i, (x, y) in enumerate(zip(old, new)) if x != y]
+    assert len(changed) == 40 and all(i % 6 == 5 for i in changed)
+    assert [degenerate(*t) for t in inclusion_exclusion_triples([old[i] for i in changed])] == [True] * 40
+    assert sum(degenerate(*t) for t in inclusion_exclusion_triples(old)) == 40
+
+
+def test_proper_triple_by_hand():
+    assert make_exact.proper_triple(2, 3, 5) and make_exact.proper_triple(4, 6, 9)
+    assert make_exact.proper_triple(6, 4, 9)  # 4 and 6 share a factor but neither divides the other
+    assert not make_exact.proper_triple(8, 12, 8)  # c = a
+    assert not make_exact.proper_triple(2, 2, 3)  # a = b
+    assert not make_exact.proper_triple(2, 4, 3)  # 2 | 4
+    assert not make_exact.proper_triple(3, 5, 9)  # 3 | 9
+
+
 def test_exact_helpers_by_hand():
     assert long_product("1234", "5678") == 7006652 and digit_sum(2**15) == 3 + 2 + 7 + 6 + 8
     assert make_exact.primes_below(20) == [2, 3, 5, 7, 11, 13, 17, 19]
@@ -115,11 +162,11 @@ def test_exact_helpers_by_hand():
     assert [make_exact.divisor_count(n) for n in (1, 12, 36, 97)] == [1, 6, 9, 2]
 
 
-def sample_row(problem_id: str, problem: str, sample_idx: int, correct: bool) -> dict:
-    """A row as evaluate.py writes it (the fields evaluate.load_samples checks)."""
+def sample_row(problem_id: str, problem: str, sample_idx: int, correct: bool, **fields) -> dict:
+    """A row as evaluate.py writes it (the fields evaluate.load_samples checks), `fields` replaced."""
     return {"id": problem_id, "problem": problem, "benchmark": "b", "answer": "6", "pred": "6", "correct": correct,
             "sample_idx": sample_idx, "finish_reason": "stop", "completion": "", "blocks": [], "n_code_blocks": 0,
-            "n_exec_errors": 0, "completion_tokens": 1, "model_tokens": 1, "plan_tokens": 0}
+            "n_exec_errors": 0, "completion_tokens": 1, "model_tokens": 1, "plan_tokens": 0} | fields
 
 
 def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
@@ -130,8 +177,8 @@ def test_compare_pairs_problems_and_bootstraps_the_gain(tmp_path):
             sample_row("p2", "What is 4 \\times 5?", 0, True), sample_row("p2", "What is 4 \\times 5?", 1, True)]
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert compare.per_problem(str(path)) == {("b", "p1"): ("What is 2 \\times 3?", [1.0, 0.0]),
-                                              ("b", "p2"): ("What is 4 \\times 5?", [1.0, 1.0])}
+    assert compare.per_problem(str(path)) == {("b", "p1"): ("What is 2 \\times 3?", "6", [1.0, 0.0], [1.0, 1.0]),
+                                              ("b", "p2"): ("What is 4 \\times 5?", "6", [1.0, 1.0], [1.0, 1.0])}
     before = np.array([0.0, 0.25, 0.5])
     assert compare.paired_bootstrap(before, before + 0.25, 1000, 0) == (0.25, 0.25)  # every resample gains 0.25
     # gains 0, 0, 1: a resample's mean is 0 with probability (2/3)^3 = 0.30 and 1 with
@@ -157,3 +204,95 @@ def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
         assert ex.cli(compare.main, [str(good), str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("compare.py: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_compare_mcnemar_and_constant_baseline_by_hand():
+    import compare
+
+    # b + c = 6 discordant problems split 1 / 5: p = 2 (C(6,0) + C(6,1)) / 2^6 = 14 / 64
+    assert compare.mcnemar_exact(1, 5) == compare.mcnemar_exact(5, 1) == 14 / 64
+    assert compare.mcnemar_exact(0, 6) == 2 / 64
+    assert compare.mcnemar_exact(3, 3) == 1.0  # 2 (1 + 6 + 15 + 20) / 64 > 1, capped
+    assert compare.mcnemar_exact(0, 0) == 1.0
+    assert compare.constant_baseline(["4", "8", "4", "6"]) == ("4", 0.5)
+    assert compare.constant_baseline(["9", "10"]) == ("10", 0.5)  # a tie: the smallest string
+    assert compare.constant_baseline([]) == ("", 0.0)
+    assert compare.budget_list("384,768") == [384, 768]
+
+
+def recipe_rows(correct: list, finish: list, tokens: list) -> list:
+    """Four problems of two families, one sample each (k = 1)."""
+    problems = [("p1", "What is 2 \\times 3?", "6"), ("p2", "What is 4 \\times 5?", "20"),
+                ("p3", "How many positive divisors does 6 have?", "4"),
+                ("p4", "How many positive divisors does 10 have?", "4")]
+    return [sample_row(i, q, 0, c, answer=a, finish_reason=f, model_tokens=t)
+            for (i, q, a), c, f, t in zip(problems, correct, finish, tokens)]
+
+
+def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
+    """tests/faults.md P2, every figure by hand. start: right on p1 only, p2 and p4 cut by the budget; grpo: right
+    on p1-p3, p4 cut. Bootstrap over 4 problems: start's mean is 0 in (3/4)^4 = 32% of the
+    resamples and >= 0.75 in 13/256 = 5.1%, 1 in 1/256 = 0.4%, so its interval is [0, 75];
+    grpo's (scores 1, 1, 1, 0) is [25, 100]; the gains (0, 1, 1, 0) are 0 and 1 in 1/16 each,
+    so [+0, +100]. McNemar: b = 2 (p2, p3), c = 0, p = 2 / 4."""
+    import compare
+
+    start = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    grpo = recipe_rows([True, True, True, False], ["stop", "stop", "stop", "length"], [90, 80, 70, 768])
+    (tmp_path / "start.samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in start))
+    with gzip.open(tmp_path / "grpo.samples.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in grpo))
+    compare.main(["--families", str(tmp_path / "start.samples.jsonl"), str(tmp_path / "grpo.samples.jsonl.gz")])
+    assert capsys.readouterr().out.splitlines() == [
+        "4 problems, k = 1; gains are over start", "",
+        "| policy | accuracy [95% CI] | among finished | finished | gain [95% paired CI] | McNemar p (b, c) |",
+        "|---|---|---|---|---|---|",
+        "| start | 25.0 [0.0, 75.0] | 50.0 (1 of 2) | 50.0 | - | - |",
+        "| grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |", "",
+        "constant answer '4': 50.0% of the 4 problems", "",
+        "| family | problems | constant answer | start | grpo |", "|---|---|---|---|---|",
+        "| How many positive divisors does N have? | 2 | 100.0% (4) | 0 of 2 | 1 of 2 |",
+        "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |"]
+
+
+def test_compare_budgets_give_the_smallest_that_finishes_enough(tmp_path, capsys):
+    """Finished within B: ended by EOS after <= B model tokens. Of 100, 768, 500, 768 tokens
+    (stop, length, stop, length): 1 of 4 within 200, 2 of 4 within 500 and 768."""
+    import compare
+
+    path = tmp_path / "budget.jsonl"
+    rows = recipe_rows([True] * 4, ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    compare.main(["--budgets", "768,200,500", "--min-finished", "0.5", str(path)])
+    assert capsys.readouterr().out.splitlines() == ["budget 200: 25.0% of 4 samples finished",
+                                                    "budget 500: 50.0% of 4 samples finished",
+                                                    "budget 768: 50.0% of 4 samples finished", "500"]
+    assert ex.cli(compare.main, ["--budgets", "200,500", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("budget.jsonl: no budget of [200, 500] finishes 85.0% of the samples\n") and err.count("\n") == 1
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write('{"id": "p1"}\n')
+    assert ex.cli(compare.main, [str(bad)]) == 2
+    assert capsys.readouterr().err == f"compare.py: error: {bad}:1: missing field(s) benchmark, answer, pred, correct, " \
+        "sample_idx, finish_reason, completion, blocks, n_code_blocks, n_exec_errors, completion_tokens, model_tokens, " \
+        "plan_tokens\n"
+
+
+def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():
+    """Two problems, G = 3: preds 4, 5, none against 4, then 10, 10, 3 against 10 give answer
+    rewards 1, 0, 0, 1, 1, 0; the control returns those six values (three 1s, three 0s) in a
+    seeded order: the same for the same seed and problems."""
+    import permuted_reward as pr
+
+    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in ("4", "5", None, "10", "10", "3")]
+    problems = [{"id": "q1", "answer": "4"}, {"id": "q2", "answer": "10"}]
+    assert pr.answer_rewards(samples, problems) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert pr.answer_rewards(samples[:2], [problems[0], problems[0]]) == [1.0, 0.0]  # one problem per sample
+    orders = [pr.permuted_reward(samples, problems, seed) for seed in range(10)]
+    assert all(sorted(o) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0] for o in orders)
+    assert orders[0] == pr.permuted_reward(samples, problems) == pr.permuted_reward(samples, problems, 0)
+    assert any(o != [1.0, 0.0, 0.0, 1.0, 1.0, 0.0] for o in orders)  # the order does change
+    other_step = [{"id": "q3", "answer": "4"}, {"id": "q4", "answer": "10"}]
+    assert sorted(pr.permuted_reward(samples, other_step)) == sorted(orders[0])
+    assert pr.permuted_reward(samples[:3], problems[:1]) in ([1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0])
