@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# THINC's recipe in miniature on the packaged models, every part measured at a budget the start
+# model finishes in (this supersedes data/does_it_learn.sh, which evaluated at 192 tokens):
+#   1 budget    the start model's finish rate on the first BUDGET_PROBLEMS training problems at
+#               the largest of BUDGETS; the smallest budget where >= MIN_FINISHED of its samples
+#               end by EOS becomes B (model tokens) for every later part (runs/recipe/budget.txt)
+#   2 distill   the 1.5B teacher, 3-shot, on the first DISTILL_N training problems; the paper's
+#               four rules (+ 'unfinished'), rule 3 relaxed to >= 1 block (one-block problems)
+#   3 sft       the 0.5B on the kept trajectories
+#   4 grpo      GRPO from the start model; 5 sft_grpo: the same from the SFT model
+#   6 control   4 again with each step's rewards permuted among its samples (data/permuted_reward.py)
+#   7 eval      every policy on data/exact_test.jsonl (100 problems, k = K) at B; the PUBLIC
+#               policies on the first PUBLIC_N problems of math500_int and GSM8K test at B
+#   8 export    samples (gzip), training metrics, the distillation summary and wall times into
+#               data/recipe/, then data/recipe/tables.md, computed from those files alone
+# A part whose name is in runs/recipe/done.txt is skipped; a killed one is rerun, and every stage
+# resumes its own partial output (evaluate.py and distill.py skip what they wrote, grpo.py and
+# sft.py continue from their newest checkpoint). runs/recipe/times.tsv gets a line as each part
+# starts and ends. Settings below; each can be overridden from the environment (K=2 bash ...);
+# BUDGET=768 skips part 1.
+# Usage, from the project root after set-up command 1 and the teacher's install (README):
+#   bash data/recipe.sh
+set -euo pipefail
+R=${R:-runs/recipe}                  # run folders
+OUT=${OUT_DIR:-data/recipe}          # what is committed
+BUDGETS=${BUDGETS:-384,512,768,1024,1536}
+BUDGET_PROBLEMS=${BUDGET_PROBLEMS:-48}
+MIN_FINISHED=${MIN_FINISHED:-0.85}
+K=${K:-1}                            # samples per held-out problem (k = 1: exact McNemar)
+TOOLS=${TOOLS:-3}                    # executed blocks per sample, everywhere
+EVAL_BATCH=${EVAL_BATCH:-25}         # problems per wave; decides the samples: keep it for every policy
+BATCH_FLAG=${BATCH_FLAG:---batch-size}           # evaluate.py's wave-size flag
+DISTILL_BATCH_FLAG=${DISTILL_BATCH_FLAG:---batch-size}
+TEACHER=${TEACHER:-qwen2.5-coder-1.5b}
+DISTILL_N=${DISTILL_N:-96}
+DISTILL_BATCH=${DISTILL_BATCH:-8}
+SFT_BATCH=${SFT_BATCH:-8}
+SFT_EPOCHS=${SFT_EPOCHS:-3}
+STEPS=${STEPS:-6}
+PROMPTS=${PROMPTS:-8}
+G=${G:-4}
+LR=${LR:-1e-5}
+ROLLOUT_FLAG=${ROLLOUT_FLAG:---rollout-prompts}  # grpo.py's wave-size flag
+ROLLOUT=${ROLLOUT:-8}
+PUBLIC=${PUBLIC:-"start sft_grpo"}
+PUBLIC_N=${PUBLIC_N:-100}
+MATH500=${MATH500:-../shared/data/math500_int.jsonl}
+GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
+START=qwen2.5-coder-0.5b
+mkdir -p "$R" "$OUT"
+touch "$R/done.txt"
+
+part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
+    local name=$1
+    shift
+    if grep -qx "$name" "$R/done.txt"; then
+        echo "== $name: done before"
+        return
+    fi
+    printf '%s\tstart\t%s\n' "$name" "$(date -u +%FT%TZ)" >> "$R/times.tsv"
+    echo "== $name: $(date -u +%FT%TZ)"
+    local t0=$SECONDS
+    "$@"
+    printf '%s\tend\t%s\t%s s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" >> "$R/times.tsv"
+    echo "$name" >> "$R/done.txt"
+}
+
+policy() {  # the model directory (or packaged name) of a row
+    case $1 in
+        start) echo "$START" ;;
+        sft) echo "$R/sft/final" ;;
+        *) echo "$R/$1/latest" ;;
+    esac
+}
+
+pick_budget() {
+    local largest=${BUDGETS##*,}
+    python evaluate.py --model "$START" --data data/exact_train.jsonl --limit "$BUDGET_PROBLEMS" --k 1 \
+        "$BATCH_FLAG" "$EVAL_BATCH" --max-context $((largest + 1536)) --max-new-tokens "$largest" \
+        --max-tool-calls "$TOOLS" --seed 0 --out "$R/budget"
+    python data/compare.py --budgets "$BUDGETS" --min-finished "$MIN_FINISHED" "$R/budget/samples.jsonl" \
+        | tee "$R/budget.log"
+    tail -n 1 "$R/budget.log" > "$R/budget.txt"
+}
+
+distill() {
+    python distill.py --teacher "$TEACHER" --data data/exact_train.jsonl --limit "$DISTILL_N" \
+        "$DISTILL_BATCH_FLAG" "$DISTILL_BATCH" --max-context $((B + 4096)) --max-new-tokens "$B" \
+        --max-tool-calls "$TOOLS" --min-blocks 1 --seed 0 --out "$R/distill/traj.jsonl"
+    python -m json.tool "$R/distill/traj.summary.json"
+}
+
+sft_run() {
+    if [ -d "$R/sft/final" ]; then return; fi
+    local resume=()
+    local ckpt
+    ckpt=$(ls -td "$R"/sft/step_*/ 2>/dev/null | grep -v '\.tmp' | head -n 1 || true)
+    if [ -n "$ckpt" ]; then
+        resume=(--resume "$ckpt")
+    else
+        rm -rf "$R/sft"  # a run that saved no checkpoint: nothing to continue
+    fi
+    python sft.py --model "$START" --data "$R/distill/traj.jsonl" --out "$R/sft" --global-batch "$SFT_BATCH" \
+        --epochs "$SFT_EPOCHS" --save-every 8 --grad-checkpointing --chunk-size 256 --seed 0 "${resume[@]}"
+    rm -rf "$R"/sft/step_*  # 6 GB each (weights and AdamW state); final/ has the same and more
+}
+
+grpo_run() {  # grpo_run NAME MODEL [EXTRA FLAGS]
+    local out=$R/$1
+    local model=$2
+    shift 2
+    local resume=()
+    if [ -e "$out/latest" ]; then resume=(--resume "$out/latest"); fi
+    # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6
+    torchrun --standalone --nproc_per_node=1 grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
+        --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$G" "$ROLLOUT_FLAG" "$ROLLOUT" --lr "$LR" \
+        --temperature 0.8 --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" \
+        --micro-batch 2 --chunk-size 256 --grad-checkpointing --save-every 1 --no-save-optimizer --seed 0 \
+        "$@" "${resume[@]}"
+}
+
+control() {
+    if ! python grpo.py --help | grep -q -- "--reward"; then
+        echo "grpo.py has no --reward flag yet: the control needs it" >&2
+        return 2
+    fi
+    grpo_run control "$START" --reward data/permuted_reward.py:permuted_reward
+}
+
+evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
+    python evaluate.py --model "$(policy "$1")" --data "$3" --limit "$4" --k "$5" "$BATCH_FLAG" "$EVAL_BATCH" \
+        --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" --seed 0 --out "$R/$2_$1"
+}
+
+export_files() {  # gzip -n: the same samples give the same bytes
+    local d
+    for d in "$R"/budget "$R"/heldout_* "$R"/math500_* "$R"/gsm8k_*; do
+        if [ -f "$d/samples.jsonl" ]; then gzip -9 -n -c "$d/samples.jsonl" > "$OUT/$(basename "$d").samples.jsonl.gz"; fi
+    done
+    for d in grpo sft_grpo control; do
+        if [ -f "$R/$d/metrics.jsonl" ]; then cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; fi
+    done
+    if [ -f "$R/sft/log.jsonl" ]; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
+    if [ -f "$R/distill/traj.summary.json" ]; then
+        cp "$R/distill/traj.summary.json" "$OUT/distill.summary.json"
+        gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"
+        gzip -9 -n -c "$R/distill/traj.rejected.jsonl" > "$OUT/distill.rejected.jsonl.gz"
+    fi
+    cp "$R/times.tsv" "$OUT/times.tsv"
+}
+
+tables() {  # only from the committed files: anyone can recompute them without a model
+    local rows=()
+    local row
+    for row in start sft grpo sft_grpo control; do
+        if [ -f "$OUT/heldout_$row.samples.jsonl.gz" ]; then rows+=("$OUT/heldout_$row.samples.jsonl.gz"); fi
+    done
+    {
+        echo "# data/recipe.sh at B = $B model tokens"
+        if [ -f "$OUT/budget.samples.jsonl.gz" ]; then
+            echo
+            echo "## The start model's finish rate (first $BUDGET_PROBLEMS training problems, k = 1)"
+            echo
+            python data/compare.py --budgets "$BUDGETS" --min-finished "$MIN_FINISHED" "$OUT/budget.samples.jsonl.gz"
+        fi
+        echo
+        echo "## Held out (data/exact_test.jsonl, k = $K); gains over the start model"
+        echo
+        python data/compare.py --families "${rows[@]}"
+        local pair
+        for pair in "grpo control" "grpo sft_grpo"; do
+            set -- $pair
+            if [ -f "$OUT/heldout_$1.samples.jsonl.gz" ] && [ -f "$OUT/heldout_$2.samples.jsonl.gz" ]; then
+                echo
+                echo "## Held out: $2 against $1"
+                echo
+                python data/compare.py "$OUT/heldout_$1.samples.jsonl.gz" "$OUT/heldout_$2.samples.jsonl.gz"
+            fi
+        done
+        for bench in math500 gsm8k; do
+            local pub=()
+            for row in $PUBLIC; do
+                if [ -f "$OUT/${bench}_$row.samples.jsonl.gz" ]; then pub+=("$OUT/${bench}_$row.samples.jsonl.gz"); fi
+            done
+            if [ ${#pub[@]} -gt 0 ]; then
+                echo
+                echo "## $bench (first $PUBLIC_N problems, k = 1)"
+                echo
+                python data/compare.py "${pub[@]}"
+            fi
+        done
+    } > "$OUT/tables.md"
+    cat "$OUT/tables.md"
+}
+
+# --- 1) the budget -------------------------------------------------------------------
+if [ -n "${BUDGET:-}" ]; then
+    B=$BUDGET  # given: no measurement
+else
+    part budget pick_budget
+    B=$(cat "$R/budget.txt")
+fi
+echo "== B = $B model tokens"
+
+# --- 2-6) distillation, SFT, the three GRPO runs --------------------------------------
+part distill distill
+part sft sft_run
+part grpo grpo_run grpo "$START"
+part sft_grpo grpo_run sft_grpo "$R/sft/final"
+part control control
+
+# --- 7) evaluations ------------------------------------------------------------------
+for row in start sft grpo sft_grpo control; do
+    part "heldout_$row" evaluate_on "$row" heldout data/exact_test.jsonl 0 "$K"
+done
+for row in $PUBLIC; do
+    part "math500_$row" evaluate_on "$row" math500 "$MATH500" "$PUBLIC_N" 1
+    part "gsm8k_$row" evaluate_on "$row" gsm8k "$GSM8K" "$PUBLIC_N" 1
+done
+
+# --- 8) the committed files and the tables -------------------------------------------
+export_files
+tables
