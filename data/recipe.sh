@@ -4,14 +4,16 @@
 #   1 budget    the start model's finish rate on the first BUDGET_PROBLEMS training problems at
 #               the largest of BUDGETS; the smallest budget where >= MIN_FINISHED of its samples
 #               end by EOS becomes B (model tokens) for every later part (runs/recipe/budget.txt)
-#   2 distill   the 1.5B teacher, 3-shot, on the first DISTILL_N training problems; the paper's
+#   2 heldout_start  the start model on data/exact_test.jsonl (100 problems, k = K) at B, as
+#               every row after it
+#   3 distill   the 1.5B teacher, 3-shot, on the first DISTILL_N training problems; the paper's
 #               four rules (+ 'unfinished'), rule 3 relaxed to >= 1 block (one-block problems)
-#   3 sft       the 0.5B on the kept trajectories
-#   4 grpo      GRPO from the start model; 5 sft_grpo: the same from the SFT model
-#   6 control   4 again with each step's rewards permuted among its samples (data/permuted_reward.py)
-#   7 eval      every policy on data/exact_test.jsonl (100 problems, k = K) at B; the PUBLIC
-#               policies on the first PUBLIC_N problems of math500_int and GSM8K test at B
-#   8 export    samples (gzip), training metrics, the distillation summary and wall times into
+#   4 sft       the 0.5B on the kept trajectories, then its held-out evaluation
+#   5 grpo      GRPO from the start model; 6 sft_grpo: the same from the SFT model; each evaluated
+#   7 control   5 again with each step's rewards permuted among its samples
+#               (data/permuted_reward.py; needs grpo.py's --reward), evaluated
+#   8 public    the PUBLIC policies on the first PUBLIC_N problems of math500_int and GSM8K test at B
+#   9 export    samples (gzip), training metrics, the distillation summary and wall times into
 #               data/recipe/, then data/recipe/tables.md, computed from those files alone
 # A part whose name is in runs/recipe/done.txt is skipped; a killed one is rerun, and every stage
 # resumes its own partial output (evaluate.py and distill.py skip what they wrote, grpo.py and
@@ -63,6 +65,7 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     "$@"
     printf '%s\tend\t%s\t%s s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" >> "$R/times.tsv"
     echo "$name" >> "$R/done.txt"
+    export_files  # what is done so far is in data/recipe/, should a later part fail
 }
 
 policy() {  # the model directory (or packaged name) of a row
@@ -202,22 +205,25 @@ else
 fi
 echo "== B = $B model tokens"
 
-# --- 2-6) distillation, SFT, the three GRPO runs --------------------------------------
+# --- 2-7) each policy, then its held-out evaluation (a session may stop after any row) -
+heldout() {
+    part "heldout_$1" evaluate_on "$1" heldout data/exact_test.jsonl 0 "$K"
+}
+heldout start
 part distill distill
 part sft sft_run
+heldout sft
 part grpo grpo_run grpo "$START"
+heldout grpo
 part sft_grpo grpo_run sft_grpo "$R/sft/final"
+heldout sft_grpo
 part control control
-
-# --- 7) evaluations ------------------------------------------------------------------
-for row in start sft grpo sft_grpo control; do
-    part "heldout_$row" evaluate_on "$row" heldout data/exact_test.jsonl 0 "$K"
-done
+heldout control
 for row in $PUBLIC; do
     part "math500_$row" evaluate_on "$row" math500 "$MATH500" "$PUBLIC_N" 1
     part "gsm8k_$row" evaluate_on "$row" gsm8k "$GSM8K" "$PUBLIC_N" 1
 done
 
-# --- 8) the committed files and the tables -------------------------------------------
+# --- 9) the committed files and the tables -------------------------------------------
 export_files
 tables
