@@ -50,7 +50,7 @@ MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
 mkdir -p "$R" "$OUT"
-touch "$R/done.txt"
+touch "$R/done.txt" "$R/times.tsv"
 
 part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     local name=$1

@@ -1,10 +1,13 @@
-"""The problem sets in data/: the demo set and the "Does it learn?" sets; every answer is
-recomputed here by code."""
+"""The problem sets in data/: the demo set and the "Does it learn?" sets, every answer
+recomputed here by code; and the scripts beside them (compare.py, permuted_reward.py,
+recipe.sh), their figures computed by hand."""
 import gzip
 import itertools
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -296,3 +299,34 @@ def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():
     other_step = [{"id": "q3", "answer": "4"}, {"id": "q4", "answer": "10"}]
     assert sorted(pr.permuted_reward(samples, other_step)) == sorted(orders[0])
     assert pr.permuted_reward(samples[:3], problems[:1]) in ([1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0])
+
+
+@pytest.mark.timeout(60)
+def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(tmp_path):
+    """data/recipe.sh with every part marked done (BUDGET given, so no model is needed): it runs
+    nothing, gzips each evaluation's samples into OUT_DIR (the same bytes on a rerun: gzip -n)
+    and writes tables.md from those files, with the figures of the test above."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    start = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    grpo = recipe_rows([True, True, True, False], ["stop", "stop", "stop", "length"], [90, 80, 70, 768])
+    for name, rows in (("heldout_start", start), ("heldout_grpo", grpo)):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
+             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
+    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
+    outputs = []
+    for _ in range(2):
+        run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.count("done before") == len(parts)
+        outputs.append({p.name: p.read_bytes() for p in out.iterdir()})
+    assert outputs[0] == outputs[1]
+    assert sorted(outputs[0]) == ["heldout_grpo.samples.jsonl.gz", "heldout_start.samples.jsonl.gz", "tables.md",
+                                  "times.tsv"]
+    assert gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"]) == (runs / "heldout_grpo/samples.jsonl").read_bytes()
+    tables = outputs[0]["tables.md"].decode().splitlines()
+    assert tables[0] == "# data/recipe.sh at B = 768 model tokens"
+    assert "| heldout_grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |" in tables
+    assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |" in tables
