@@ -113,7 +113,11 @@ grpo_run() {  # grpo_run NAME MODEL [EXTRA FLAGS]
     local model=$2
     shift 2
     local resume=()
-    if [ -e "$out/latest" ]; then resume=(--resume "$out/latest"); fi
+    if [ -e "$out/latest" ] || [ -e "$out/latest.old" ]; then
+        resume=(--resume "$out/latest")  # grpo.py takes latest.old when a crash left only that
+    else
+        rm -rf "$out"  # killed before its first checkpoint: nothing to continue
+    fi
     # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6
     torchrun --standalone --nproc_per_node=1 grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
         --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$G" "$ROLLOUT_FLAG" "$ROLLOUT" --lr "$LR" \
