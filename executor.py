@@ -1665,6 +1665,9 @@ def format_trajectory(record: dict, width: int = 80) -> str:
 # Grading rules for grade(pred, gold): the GRPO reward 1[answer = ground truth] (paper
 # Sec. 3.3), distillation's rule (i) and evaluation accuracy. In order:
 # 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS -> wrong.
+#    Then on both sides a word that changes the value is written as its factor
+#    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
+#    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
 # 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
 #    written here, no float tolerance, no sympy, no subprocess.
 #    a) An equation counts by its right side when it is one equation whose left side names
@@ -1677,13 +1680,19 @@ def format_trajectory(record: dict, width: int = 80) -> str:
 #       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
 #       `10^{100}` against 0 are not (a power is size-checked before it is computed).
 #       A comma followed by a space separates list items and digits split by a space
-#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3).
+#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3),
+#       nor are several boxes unless they all hold the same answer (`\\boxed{5}, \\boxed{70}`
+#       is the list `5, 70`, which Math-Verify finds unequal to 70).
 # 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
 #    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
 #    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
 #    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
-#    places, `\\text{}` answers). It runs in a helper process with a wall-clock limit that
-#    holds from any thread (Math-Verify's own timeouts use SIGALRM, main thread only): a
+#    places, `\\text{}` answers), but no tolerance between two exact values: only a side
+#    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
+#    radicals, pi, factorials and powers compare symbolically, exactly (`\\frac{1}{2^{98}}` is
+#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). It runs in a helper process with a
+#    wall-clock limit that holds from any thread (Math-Verify's own timeouts use SIGALRM,
+#    main thread only): a
 #    comparison that misses it kills the helper (the next call starts a fresh one) and
 #    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
 #    helper that died) are counted in GRADER_FAILURES for the stages' logs.
@@ -1793,7 +1802,9 @@ def number_value(answer: str):
     `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
     degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
     unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
-    `70ways`; `70x` is not read). Not read: a comma followed by a space (`12, 345` is a
+    `70ways`; `70x` is not read), but a word that changes the value (`with_value_words`:
+    `5 million`, `2 dozen`, `70 pi`) is never a unit: such an answer is not read, and
+    `5 squared` is 25. Not read: a comma followed by a space (`12, 345` is a
     list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
     digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
     an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
