@@ -1840,13 +1840,15 @@ def _serve_grader():
     math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
     dependency for grading: a well-kept grader instead of a parser of our own."""
     from math_verify import grader, parse, verify
-    from sympy import Float
-    # Exact values compare exactly (tests/faults.md A10): Math-Verify's numeric step evaluates
-    # a - b to 15 digits and chops what is smaller, so 1/2^98 "equals" 1/2^99. Its rounding
-    # tolerance is kept for a side written as a decimal (a Float); for two exact sides the
-    # step says no and its symbolic step (simplify(a - b) == 0) decides.
+    from sympy import Float, Number
+    # Exact values compare exactly (tests/faults.md A10): the last branch of Math-Verify's
+    # numeric step evaluates a - b to 15 digits and chops what is smaller, so 1/2^98 "equals"
+    # 1/2^99. The step runs only where it is exact or meant to round: a side written as a
+    # decimal (a Float, rounded to 6 places) or a plain number (compared as is, 50% = 1/2);
+    # for other exact sides it says no and the symbolic step (simplify(a - b) == 0) decides.
     numeric_eq = grader.sympy_numeric_eq
-    grader.sympy_numeric_eq = lambda a, b, *args: (a.has(Float) or b.has(Float)) and numeric_eq(a, b, *args)
+    grader.sympy_numeric_eq = lambda a, b, *args: (a.has(Float) or b.has(Float) or any(
+        grader.is_atomic_or_pct_atomic(x, Number) for x in (a, b))) and numeric_eq(a, b, *args)
     with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
     reply_to, sys.stdout = sys.stdout, sys.stderr   # the libraries' stray prints are not replies

@@ -402,3 +402,11 @@ def test_many_boxes_extract_in_linear_time_A12():
     assert extract_answer(r"\boxed{1}, " * 100_000) == "1"
     assert extract_answer(r"\boxed{1} \fbox{2}" * 100_000) == "2"
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold", [(r"50\%", r"\frac{1}{2}"), (r"\frac{3}{4}", r"\frac{6}{8}"),
+                                       ("3", r"\sqrt{9}"), (r"\frac{1}{2^{99}}", r"2^{-99}")])
+def test_plain_numbers_still_compare_as_math_verify_does_A10(pred, gold):
+    """Math-Verify's exact number branches stay: a percentage is its value (50 percent is 1/2)."""
+    assert grade(pred, gold, timeout=SLOW_OK) is True

@@ -622,7 +622,8 @@ def test_a_normalising_tokenizers_rollout_trains_on_the_ids_it_fed_G15():
     tok = tiny.make_tokenizer()
     tok.backend_tokenizer.normalizer = normalizers.NFC()
     q = "Print the Ohm and Angstrom signs."
-    completion = "Print them.\n```python\nprint(chr(0x2126) + chr(0x212B))\n```\n```output\n\u03a9\u00c5\n```\n\\boxed{1}"
+    completion = ("Print them.\n```python\nprint(chr(0x2126) + chr(0x212B))\n```\n"
+                  "```output\n\u03a9\u00c5\n```\n\\boxed{1}")
     want = sft.build_example(tok, q, completion, outputs=["\u03a9\u00c5\n"])
     prompt = executor.build_prompt_ids(tok, q)
     with executor.Sandbox(workers=1) as sb:
