@@ -750,25 +750,63 @@ def output_block(output: str, lead: str = "\n") -> str:
     return f"{lead}```output\n{output.rstrip(chr(10))}\n```\n"
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as plain text, no BOS / EOS: the text of a special token in it
+    (`<|im_end|>`, `<|im_start|>user`) gets plain-text ids, never the control id, so that
+    tool output or a problem cannot forge a turn (tests/faults.md G14). Added tokens that
+    are not special (Qwen3's `<think>`) are still matched: the tokenizers library has no
+    switch for them."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def decode_text(tokenizer, ids) -> str:
+    """The text of `ids` exactly as the tokenizer's decoder writes it: no clean-up of spaces
+    before punctuation, whatever the tokenizer's config says (it would rewrite `x = 1 ,2`;
+    tests/faults.md G17). Everything that runs or is recorded is decoded with this."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
 def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT,
                      **template_kwargs) -> list[int]:
     """Token ids of the prompt, built with the tokenizer's own chat template: the system
     message, then each (problem, completion) few-shot pair as prior user / assistant
     turns, then the problem, then the assistant header (generation prompt).
     template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
-    thinking block would otherwise precede the plan)."""
-    return list(tokenizer.apply_chat_template(prompt_messages(problem, fewshot, system), add_generation_prompt=True,
-                                              tokenize=True, return_dict=False, **template_kwargs))
+    thinking block would otherwise precede the plan). A problem that holds an added token's
+    text is tokenized as plain text (`encode_text`) between the template's own ids, which
+    come from a render with a placeholder problem (tests/faults.md G14); any other problem
+    gets exactly the ids of the rendered template."""
+    def render(q):
+        return tokenizer.apply_chat_template(prompt_messages(q, fewshot, system), add_generation_prompt=True,
+                                             tokenize=False, **template_kwargs)
+    text = render(problem)
+    if not any(t.content in problem for t in tokenizer.added_tokens_decoder.values()):
+        return tokenizer.encode(text, add_special_tokens=False)
+    head, tail = render("\ue000").split("\ue000")  # (a private-use character: in no template)
+    mid = text[len(head):len(text) - len(tail)]   # the problem as the template writes it (trimmed or not)
+    return tokenizer.encode(head, add_special_tokens=False) + encode_text(tokenizer, mid) + \
+        tokenizer.encode(tail, add_special_tokens=False)
+
+
+def end_of_turn_id(tokenizer):
+    """The first added token the chat template writes after an assistant message (ChatML's
+    `<|im_end|>`, Llama-3's `<|eot_id|>`, Phi-3's `<|end|>`); the tokenizer's EOS when it
+    writes none. A probe turn is rendered only to learn this id. SFT ends its examples with it."""
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "PROBE"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    tail = tokenizer.encode(text[text.rfind("PROBE") + 5:], add_special_tokens=False)
+    return next((t for t in tail if t in tokenizer.added_tokens_decoder), tokenizer.eos_token_id)
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Every id that ends a turn (tests/faults.md G4): the tokenizer's EOS, every generation-config
-    EOS id (an int or a list), and the chat end-of-turn tokens the vocabulary has."""
+    """Every id that ends a turn (tests/faults.md G4, G16): the tokenizer's EOS, every
+    generation-config EOS id (an int or a list), the end-of-turn token the chat template
+    writes after an assistant turn, and the chat end-of-turn tokens the vocabulary has."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
+    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer), *(eos if isinstance(eos, (list, tuple)) else [eos])}
     vocab = tokenizer.get_vocab()
-    return ids | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
-                  if t in vocab}
+    return ids - {None} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
+                                              "<end_of_turn>") if t in vocab}
 
 
 # -----------------------------------------------------------------------------
@@ -1238,8 +1276,8 @@ def _decode_new(r, tokenizer) -> str:
     ('▁math' alone decodes to 'math'), and while the text ends in an incomplete UTF-8
     character the ids wait ('' is returned). So a segment's text is always the decode of
     its ids (the whole completion's decode, cut at the segment), never per-token pieces."""
-    before = tokenizer.decode(r.ids[r.ctx:r.read])
-    after = tokenizer.decode(r.ids[r.ctx:])
+    before = decode_text(tokenizer, r.ids[r.ctx:r.read])
+    after = decode_text(tokenizer, r.ids[r.ctx:])
     if len(after) <= len(before) or after.endswith("\ufffd"):
         return ""
     r.ctx, r.read = r.read, len(r.ids)
@@ -1278,7 +1316,7 @@ def _trim_to_fence(r, cut, tokenizer):
     straddle = k > 0 and (k == len(r.starts) or r.starts[k] > cut)
     if straddle:
         k = bisect.bisect_left(r.starts, r.starts[k - 1])
-    new = tokenizer.encode(r.text[r.starts[k]:cut], add_special_tokens=False) if straddle else []
+    new = encode_text(tokenizer, r.text[r.starts[k]:cut]) if straddle else []
     n_drop = len(r.starts) - k
     r.n_model -= n_drop
     r.ids[len(r.ids) - n_drop:] = new  # the dropped tokens, replaced by the environment's
@@ -1289,12 +1327,17 @@ def _trim_to_fence(r, cut, tokenizer):
 def _append_output(r, res, tokenizer, max_context):
     """Record a row's finished block and append its ```output block (role output) to the
     row's ids; or return 'length' when the output would not fit (the block is then not
-    recorded: its output never reaches the model, the trajectory ends before it)."""
+    recorded: its output never reaches the model, the trajectory ends before it).
+    The output is tokenized as plain text (`encode_text`) and recorded as the text its ids
+    decode to, which is what the model sees: a normalising tokenizer (NFC: the Ohm sign
+    U+2126 becomes U+03A9) cannot show the printed text, so the record says what it showed,
+    and the completion, the block's output and SFT's ids agree (tests/faults.md G15)."""
     lead = "" if r.text.endswith("\n") else "\n"
-    chunk = tokenizer.encode(output_block(res.output, lead), add_special_tokens=False)
+    shown = decode_text(tokenizer, encode_text(tokenizer, res.output))
+    chunk = encode_text(tokenizer, output_block(shown, lead))
     if len(r.ids) + len(chunk) >= max_context:
         return "length"
-    r.blocks.append({"code": r.code, "output": res.output, "status": res.status})
+    r.blocks.append({"code": r.code, "output": shown, "status": res.status})
     r.code = r.running = None
     r.ids += chunk
     r.logprobs += [math.nan] * len(chunk)
@@ -1307,13 +1350,13 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
                                             for lp in r.logprobs[r.prompt_len:]]
     comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
-    text = tokenizer.decode(comp)
+    text = decode_text(tokenizer, comp)
     plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
     # the plan's tokens are those that start before its end (the decoded prefix grows with k),
     # all of them before the first output block
     first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
     plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
-                                     key=lambda k: len(tokenizer.decode(comp[:k])))
+                                     key=lambda k: len(decode_text(tokenizer, comp[:k])))
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
@@ -1622,6 +1665,9 @@ def format_trajectory(record: dict, width: int = 80) -> str:
 # Grading rules for grade(pred, gold): the GRPO reward 1[answer = ground truth] (paper
 # Sec. 3.3), distillation's rule (i) and evaluation accuracy. In order:
 # 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS -> wrong.
+#    Then on both sides a word that changes the value is written as its factor
+#    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
+#    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
 # 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
 #    written here, no float tolerance, no sympy, no subprocess.
 #    a) An equation counts by its right side when it is one equation whose left side names
@@ -1634,13 +1680,19 @@ def format_trajectory(record: dict, width: int = 80) -> str:
 #       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
 #       `10^{100}` against 0 are not (a power is size-checked before it is computed).
 #       A comma followed by a space separates list items and digits split by a space
-#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3).
+#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3),
+#       nor are several boxes unless they all hold the same answer (`\\boxed{5}, \\boxed{70}`
+#       is the list `5, 70`, which Math-Verify finds unequal to 70).
 # 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
 #    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
 #    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
 #    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
-#    places, `\\text{}` answers). It runs in a helper process with a wall-clock limit that
-#    holds from any thread (Math-Verify's own timeouts use SIGALRM, main thread only): a
+#    places, `\\text{}` answers), but no tolerance between two exact values: only a side
+#    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
+#    radicals, pi, factorials and powers compare symbolically, exactly (`\\frac{1}{2^{98}}` is
+#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). It runs in a helper process with a
+#    wall-clock limit that holds from any thread (Math-Verify's own timeouts use SIGALRM,
+#    main thread only): a
 #    comparison that misses it kills the helper (the next call starts a fresh one) and
 #    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
 #    helper that died) are counted in GRADER_FAILURES for the stages' logs.
@@ -1656,6 +1708,7 @@ GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wr
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
 _SPACE_FORM = re.compile(r"[^\s$]+")
 _BOX = re.compile(r"\\(?:boxed|fbox)[ \t]*")
+_BOX_GAP = re.compile(r"[\s$]*(?:,|(?:,\s*)?(?:and|or)(?![a-zA-Z]))[\s$]*")   # between boxes of one answer
 
 
 def _braced(text: str, j: int):
@@ -1669,15 +1722,28 @@ def _braced(text: str, j: int):
     return None
 
 
+def _box_at(text: str, j: int):
+    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
+    if j < len(text) and text[j] == "{":
+        content = _braced(text, j)
+        return content, j + len(content or "") + 2
+    content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
+    return content, j + len(content or "")
+
+
 def extract_answer(text: str, prose_only: bool = True):
     """The model's final answer: the content of the last `\\boxed{...}` / `\\fbox{...}`
     (braces balanced, escaped braces ignored) or of the space form `\\boxed 5` (up to the
-    next whitespace or `$`, trailing `.`/`,` dropped).
+    next whitespace or `$`, trailing `.`/`,` dropped), together with the boxes right before
+    it that only `,`, `and`, `or`, blanks or `$` separate from it, as Math-Verify reads
+    several boxes: `\\boxed{1}, \\boxed{2}` -> `1, 2` (tests/faults.md A12). Repeated
+    contents count once, so boxes that all hold the same answer give that answer alone.
 
-    The last box wins. If that last box is unbalanced or empty the result is None: an
-    earlier, abandoned box is not used. With prose_only (default) boxes inside ```python
-    and ```output blocks are ignored: the answer is taken from the model's own text.
-    Never raises on str input; linear time (fine on 1 MB strings).
+    The last box wins over boxes that prose separates from it. If that last box is
+    unbalanced or empty the result is None: an earlier, abandoned box is not used. With
+    prose_only (default) boxes inside ```python and ```output blocks are ignored: the
+    answer is taken from the model's own text. Never raises on str input; linear time
+    (fine on 1 MB strings).
     """
     if prose_only:
         # the model's own text: every python and output block that `split_completion` finds (an
@@ -1685,16 +1751,16 @@ def extract_answer(text: str, prose_only: bool = True):
         # adversarial texts stay fast. So a `\boxed{}` printed by code or written inside code
         # is never taken as the model's answer (tests/faults.md L7).
         text = _BLOCK.sub("\n", text)
-    i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if i < 0:
-        return None
-    j = _BOX.match(text, i).end()  # after the command and its blanks
-    if j < len(text) and text[j] == "{":
-        content = _braced(text, j)
-    else:
-        m = _SPACE_FORM.match(text, j)
-        content = m.group().rstrip(".,") if m else None
-    return (content or "").strip() or None  # an empty box: None
+    boxes, stop = [], len(text)
+    for box in reversed(list(_BOX.finditer(text))):
+        content, end = _box_at(text, box.end())
+        # an empty or unbalanced box, or one that ends after the next (`\boxed{\boxed{5}}`)
+        # or that prose separates from it, ends the answer
+        if not (content or "").strip() or boxes and not (end <= stop and _BOX_GAP.fullmatch(text, end, stop)):
+            break
+        boxes.append(content.strip())  # (right to left)
+        stop = box.start()
+    return ", ".join(dict.fromkeys(reversed(boxes))) or None  # no box, or an empty last one: None
 
 
 # ---------------------------------------------------------------------------------------
@@ -1711,6 +1777,20 @@ _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
 _NUMBER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+|[+-]?\d+/0*[1-9]\d*")
 _POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
 _NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
+# words that change the value are part of it, never a unit (tests/faults.md A11): rewritten
+# as factors before either rule reads an answer, bare or in \text{} (`5\text{ million}`)
+_VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
+                "billion": r"\cdot10^{9}", "trillion": r"\cdot10^{12}", "tenth": r"\cdot\frac{1}{10}",
+                "hundredth": r"\cdot\frac{1}{100}", "thousandth": r"\cdot\frac{1}{1000}", "squared": "^{2}",
+                "cubed": "^{3}", "pi": r"\pi"}
+_VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
+                         + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
+
+
+def with_value_words(answer: str) -> str:
+    """`answer` with each value word written as its factor: `5 million` -> `5\\cdot10^{6}`,
+    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`."""
+    return _VALUE_WORD.sub(lambda m: _VALUE_WORDS[m[2].lower()], answer)
 
 
 def number_value(answer: str):
@@ -1722,12 +1802,14 @@ def number_value(answer: str):
     `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
     degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
     unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
-    `70ways`; `70x` is not read). Not read: a comma followed by a space (`12, 345` is a
+    `70ways`; `70x` is not read), but a word that changes the value (`with_value_words`:
+    `5 million`, `2 dozen`, `70 pi`) is never a unit: such an answer is not read, and
+    `5 squared` is 25. Not read: a comma followed by a space (`12, 345` is a
     list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
     digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
     an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
     """
-    s = answer.strip().replace("\u2212", "-")
+    s = with_value_words(answer.strip().replace("\u2212", "-"))
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
     s = _NOISE.sub("", s)
@@ -1757,7 +1839,16 @@ def _serve_grader():
     end a stuck comparison if the parent died, the parent's deadline is the one that counts.
     math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
     dependency for grading: a well-kept grader instead of a parser of our own."""
-    from math_verify import parse, verify
+    from math_verify import grader, parse, verify
+    from sympy import Float, Number
+    # Exact values compare exactly (tests/faults.md A10): the last branch of Math-Verify's
+    # numeric step evaluates a - b to 15 digits and chops what is smaller, so 1/2^98 "equals"
+    # 1/2^99. The step runs only where it is exact or meant to round: a side written as a
+    # decimal (a Float, rounded to 6 places) or a plain number (compared as is, 50% = 1/2);
+    # for other exact sides it says no and the symbolic step (simplify(a - b) == 0) decides.
+    numeric_eq = grader.sympy_numeric_eq
+    grader.sympy_numeric_eq = lambda a, b, *args: (a.has(Float) or b.has(Float) or any(
+        grader.is_atomic_or_pct_atomic(x, Number) for x in (a, b))) and numeric_eq(a, b, *args)
     with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
     reply_to, sys.stdout = sys.stdout, sys.stderr   # the libraries' stray prints are not replies
@@ -1845,6 +1936,7 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
+    pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:
         if "=" in pred:

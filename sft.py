@@ -269,15 +269,6 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
 # -----------------------------------------------------------------------------
 # Data: trajectory JSONL -> ids and roles
 
-def end_of_turn_id(tokenizer, stops) -> int:
-    """The stop token the chat template writes after an assistant message (the tokenizer's
-    EOS when it writes none). A probe turn is rendered only to learn this id."""
-    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "PROBE"}]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
-    tail = tokenizer.encode(text[text.rfind("PROBE") + 5:], add_special_tokens=False)
-    return next((t for t in tail if t in stops), tokenizer.eos_token_id)
-
-
 def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: int | None = None,
                   **template_kwargs) -> dict:
     """Token ids and per-token roles of one trajectory, exactly as the engine feeds them.
@@ -288,7 +279,7 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: i
     (`executor.split_completion`, with the blocks' `outputs` when known): each run of model
     text tokenised alone, as a policy that writes it samples it (ROLE_MODEL), each output
     block tokenised alone, as the engine inserts it (ROLE_OUTPUT); then the end-of-turn id
-    `eot` (default `end_of_turn_id`; ROLE_MODEL: the model must learn to stop). The
+    `eot` (default `executor.end_of_turn_id`; ROLE_MODEL: the model must learn to stop). The
     assistant turn is never rendered through the chat template, which may render a past
     turn differently (strip reasoning, add an empty think block) from the turn generated.
     Raises ValueError when `outputs` do not match the completion.
@@ -303,16 +294,16 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: i
         # The engine stops right after the token holding the fence's last backtick; when this
         # tokenizer merges the newline after a fence into that token (Qwen2.5: "`\n"), the
         # newline is the model's and the output block has no leading newline.
-        last = tokenizer.decode(tokenizer.encode(model[0] + "\n", add_special_tokens=False)[-1:])
+        last = executor.decode_text(tokenizer, executor.encode_text(tokenizer, model[0] + "\n")[-1:])
         if output[0].startswith("\n") and last.endswith("\n") and last != "\n":
             model[0], output[0] = model[0] + "\n", output[0][1:]
     ids = executor.build_prompt_ids(tokenizer, problem, **template_kwargs)
     roles = [ROLE_PROMPT] * len(ids)
     for text, role in runs:
-        t = tokenizer.encode(text, add_special_tokens=False)
+        t = executor.encode_text(tokenizer, text)   # plain text: no forged control ids (tests/faults.md G14)
         ids += t
         roles += [role] * len(t)
-    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer)) if eot is None else eot
+    eot = executor.end_of_turn_id(tokenizer) if eot is None else eot
     return {"ids": ids + [eot], "roles": roles + [ROLE_MODEL]}
 
 
@@ -339,7 +330,7 @@ def load_sft_data(data, tokenizer, max_len: int, system: str = executor.SYSTEM_P
     the system prompt `system` (the stateful one for trajectories distilled with --stateful).
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
-    eot = end_of_turn_id(tokenizer, executor.stop_token_ids(tokenizer))
+    eot = executor.end_of_turn_id(tokenizer)
     examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:

@@ -331,3 +331,82 @@ def test_integer_gold_wrappers_and_words(pred, right):
     """Wrappers a model puts around an integer answer are read through; digits split by a
     space, a trailing variable or a wrong number are not."""
     assert grade(pred, "70") is right
+
+
+# --- A10: exact values compare exactly; a tolerance only for a decimal ----------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold,right", [
+    (r"\frac{1}{2^{99}}", r"\frac{1}{2^{98}}", False),      # was True: 15-digit numeric compare
+    (r"\frac{1}{2^{98}}", r"\frac{1}{2^{99}}", False),
+    (r"\pi + 10^{-20}", r"\pi", False),
+    (r"\sqrt{2} + \frac{1}{10^{18}}", r"\sqrt{2}", False),
+    (r"15! + \frac{1}{10^{30}}", "15!", False),
+    (r"e^{-50}", r"e^{-51}", False),
+    (r"2^{-99}", r"\frac{1}{2^{99}}", True),                 # equal exact values are still equal
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+    ("1307674368000", "15!", True),
+    ("0.333333", r"\frac{1}{3}", True),                     # a decimal keeps the 6-place rounding
+    ("3.1415927", r"\pi", True),
+    ("0.3333", r"\frac{1}{3}", False),
+])
+def test_exact_values_compare_exactly_A10(pred, gold, right):
+    assert grade(pred, gold, timeout=SLOW_OK) is right
+
+
+# --- A11: a word that changes the value is part of it ------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold,right", [
+    (r"5\text{ million}", "5", False), (r"3 \text{ hundred}", "3", False), ("2 thousand", "2", False),
+    ("4 billions", "4", False), ("2 dozen", "2", False), ("70 pi", "70", False), ("5 squared", "5", False),
+    (r"2.5\text{ million}", "2.5", False), ("3 tenths", "3", False),
+    ("5 million", "5000000", True), (r"5\text{ million}", "5000000", True), (r"3 \text{ hundred}", "300", True),
+    ("2 dozen", "24", True), ("5 squared", "25", True), ("3 tenths", r"\frac{3}{10}", True),
+    (r"2.5\text{ million}", "2500000", True), ("70 pi", r"70\pi", True),
+    ("70 cm", "70", True), ("70 cm squared", "70", True), (r"70\text{ ways}", "70", True),   # units: still dropped
+])
+def test_value_words_are_part_of_the_value_A11(pred, gold, right):
+    assert grade(pred, gold, timeout=SLOW_OK) is right
+
+
+@pytest.mark.timeout(10)
+def test_number_value_does_not_drop_value_words_A11():
+    assert number_value(r"5\text{ million}") is None and number_value("3 hundred") is None
+    assert number_value("70 pi") is None and number_value("5 squared") == 25 and number_value("2 dozen") is None
+    assert number_value("70 pies") == 70 and number_value("70 epics") == 70   # words that only hold one: units
+
+
+# --- A12: several boxes of the final answer are graded together ---------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text,gold,answer,right", [
+    (r"So \boxed{(1, 2)}, \boxed{(2, 1)}.", "(2,1),(1,2)", "(1, 2), (2, 1)", True),
+    (r"\boxed{1},\boxed{2},\boxed{3}", r"\{1,2,3\}", "1, 2, 3", True),
+    (r"$\boxed{1}$ and $\boxed{2}$", "1,2", "1, 2", True),
+    (r"\boxed{3} or \boxed{4}", "3", "3, 4", False),          # integer gold: one box, or all boxes equal
+    (r"\boxed{5}, \boxed{70}", "70", "5, 70", False),
+    (r"\boxed{70}, \boxed{70}", "70", "70", True),
+    (r"\boxed{2} no wait \boxed{3}", "3", "3", True),          # prose between boxes: the last wins
+    (r"\boxed{1}, \boxed{}", "1", None, False),               # an empty last box: no answer
+    (r"\boxed{\boxed{5}}", "5", "5", True),
+])
+def test_boxes_of_one_answer_are_graded_together_A12(text, gold, answer, right):
+    assert extract_answer(text) == answer
+    assert grade(extract_answer(text), gold, timeout=SLOW_OK) is right
+
+
+@pytest.mark.timeout(10)
+def test_many_boxes_extract_in_linear_time_A12():
+    t0 = time.perf_counter()
+    assert extract_answer(r"\boxed{1}, " * 100_000) == "1"
+    assert extract_answer(r"\boxed{1} \fbox{2}" * 100_000) == "2"
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold", [(r"50\%", r"\frac{1}{2}"), (r"\frac{3}{4}", r"\frac{6}{8}"),
+                                       ("3", r"\sqrt{9}"), (r"\frac{1}{2^{99}}", r"2^{-99}")])
+def test_plain_numbers_still_compare_as_math_verify_does_A10(pred, gold):
+    """Math-Verify's exact number branches stay: a percentage is its value (50 percent is 1/2)."""
+    assert grade(pred, gold, timeout=SLOW_OK) is True

@@ -127,3 +127,19 @@ def make_sp_tokenizer() -> PreTrainedTokenizerFast:
                                      decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<unk>", chat_template=CHAT_TEMPLATE)
+
+
+# Phi-3: role tags and <|end|> are special tokens; <|end|> ends every turn but is neither the
+# EOS (<|endoftext|>) nor a generation-config EOS; a rendered conversation ends with the EOS
+PHI3_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}")
+
+
+def make_phi3_tokenizer():
+    """make_tokenizer() with a Phi-3-like template and Phi-3's special tokens and EOS."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|endoftext|>",
+                            "additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    tok.chat_template = PHI3_TEMPLATE
+    return tok
