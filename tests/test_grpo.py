@@ -424,6 +424,31 @@ def test_dropped_groups_and_metrics(tokenizer, sandbox):
 
 
 @pytest.mark.timeout(30)
+def test_progress_off_a_terminal_is_a_plain_line_every_30_s_L15(monkeypatch, capsys):
+    """stderr redirected to a file (here: captured), a rollout bar updated once a second
+    for 100 s: 4 plain lines (at 0, 30, 60 and 90 s) with the bar's figures, no carriage
+    return and no cursor escape (before: a line a second, with escapes)."""
+    clock = [1000.0]
+    monkeypatch.setattr("tqdm.std.time", lambda: clock[0])  # tqdm's own clock
+    monkeypatch.setattr(ex.time, "monotonic", lambda: clock[0])
+    outer = ex.progress_bar(total=3, desc="grpo", unit="step")  # a second bar open at the same time
+    bar = ex.RolloutProgress(100, "step 1 rollout")
+    done = Sample(prompt_ids=[0], ids=[0, 1], roles=[ROLE_PROMPT, ROLE_MODEL], logprobs=[float("nan"), -1.0],
+                  blocks=[{"status": "error"}], finish_reason="stop")
+    for _ in range(100):
+        clock[0] += 1.0
+        bar(7, done)
+    bar.close()
+    outer.close()
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("step 1 rollout")]
+    assert [line.split(":")[1].split("%")[0].strip() for line in lines] == ["0", "30", "60", "90"]
+    assert lines[-1].split("|")[-1].endswith(", 90 blocks run, 90 errors]")
+    assert len(err.splitlines()) == 4 + 2  # the outer bar: its first line and its last (on close)
+
+
+@pytest.mark.timeout(30)
 def test_prompt_stream_and_drop_solved(tmp_path):
     probs = problems(5)
     a, b = grpo.PromptStream(probs, 3, 0, 2), grpo.PromptStream(probs, 3, 1, 2)

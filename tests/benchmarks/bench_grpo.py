@@ -10,7 +10,7 @@ Both sides: the same model and prompts (the THINC system prompt + a problem), G 
 prompt, exactly `--new-tokens` completion tokens (no EOS on either side), temperature 1, no KL, eps 0.20 / 0.28, token-level
 loss, one optimizer step per rollout batch, and a toy reward with signal (first completion
 token id even). Single turn: no code is executed (a fair comparison with TRL, which has no
-tool loop). Target (issue 7): grpo.py >= 1.5x faster per step.
+tool loop). Target: grpo.py >= 1.5x faster per step.
 """
 import argparse
 import copy

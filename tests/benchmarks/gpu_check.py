@@ -1,4 +1,4 @@
-"""GPU check: the paper-scale path measured in one command (issue 19). Not a test.
+"""GPU check: the paper-scale path measured in one command. Not a test.
 
 Models are random-initialised from Qwen3Config with the real Qwen3-1.7B / Qwen3-4B shapes
 (nothing is downloaded; the tokenizer is the tiny byte-level one of tests/tiny.py, whose
@@ -391,7 +391,7 @@ def fmt(v):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="GPU check of the paper-scale path (issue 19)")
+    p = argparse.ArgumentParser(description="GPU check of the paper-scale path")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (seconds on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", default="", help="comma-separated label prefixes to run (decode,rollout,grpo,fit,sft)")
