@@ -27,9 +27,9 @@ import grpo  # noqa: E402
 import tiny  # noqa: E402
 
 
-def reward(sample, problem):
-    comp = sample.ids[len(sample.prompt_ids):]
-    return float(bool(comp) and comp[0] % 2 == 0)
+def reward(samples, problems):
+    """grpo's batch reward: 1 when a sample's first completion token id is even."""
+    return [float(len(s.ids) > len(s.prompt_ids) and s.ids[len(s.prompt_ids)] % 2 == 0) for s in samples]
 
 
 def bench_ours(lm, tok, problems, a, device):
@@ -46,8 +46,8 @@ def bench_ours(lm, tok, problems, a, device):
         for step in range(1, a.steps + 1):
             t0 = time.perf_counter()
             grpo.sync_policy(model, policy)
-            m, _ = grpo.grpo_step(model, policy, tok, opt, sb, lambda: stream.next(a.prompts), args, d, step,
-                                  reward_fn=reward)
+            m, _, _ = grpo.grpo_step(model, policy, tok, opt, sb, stream.next(a.prompts), args, d, step,
+                                     reward_fn=reward)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             rows.append((time.perf_counter() - t0, m["time_rollout"], m["time_exec"], m["time_train"],

@@ -338,10 +338,11 @@ def grpo_row(ctx, length, ckpt):
     args = grpo.parse_args(STAGE_ARGS + ["--micro-batch", "1"])
     d = grpo.Dist(device=ctx.dev, autocast_dtype=ctx.autocast)
     samples = synthetic_samples(ctx, length, 2)
-    t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), args, d,
-                                                          ctx.pad))
+    t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), d,
+                                                          pad_id=ctx.pad,
+                                                          **{k: getattr(args, k) for k in grpo.UPDATE_ARGS}))
     return dict(seq_tokens=length, sequences=2, checkpointing=checkpointing, time_s=t, train_tok_s=2 * length / t,
-                peak_gib=peak, loss_tokens=m["loss_tokens"])
+                peak_gib=peak, loss_tokens=m["sums"]["loss_tokens"])
 
 
 def sft_row(ctx, length, ckpt):
