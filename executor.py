@@ -750,8 +750,8 @@ def stage_prompt_ids(tokenizer, problem: str, stateful: bool = False, exemplars=
     (SYSTEM_PROMPT, or SYSTEM_PROMPT_STATEFUL for --stateful), the exemplars (rows with
     "problem" and "completion": distill's few shots) as prior turns, then the problem, as
     `build_prompt_ids` tokenizes them (template_kwargs go to it)."""
-    return build_prompt_ids(tokenizer, problem, [(e["problem"], e["completion"]) for e in exemplars],
-                            SYSTEM_PROMPT_STATEFUL if stateful else SYSTEM_PROMPT, **template_kwargs)
+    return build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
+                            system=SYSTEM_PROMPT_STATEFUL if stateful else SYSTEM_PROMPT, **template_kwargs)
 
 
 def output_block(output: str, lead: str = "\n") -> str:
@@ -1209,9 +1209,9 @@ def progress_bar(**tqdm_kwargs):
 
 
 class RolloutProgress:
-    """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one bar may
-    span several rollout calls, e.g. a GRPO step's waves), model tokens per second, code
-    blocks run and how many of them failed (counted as their samples finish). With
+    """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one
+    bar may span several rollout calls, e.g. a GRPO step's waves), model tokens per second,
+    code blocks run and how many of them failed (counted as their samples finish). With
     `disable` (ranks other than 0) it counts but shows nothing."""
 
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):

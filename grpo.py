@@ -307,10 +307,11 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
             `sft.token_logprobs`'s; grad_clip: max global grad norm (0 = off).
         progress: None, or the title of a bar of the micro-batches run (`executor.progress_bar`).
     Returns:
-        dict: sums, this rank's: loss_tokens, every metric `policy_loss` returns (a mean over
-        its loss tokens) times those tokens, and sampler_logprob_gap (|trainer - sampler|
-        logprob summed over loss tokens); none without a loss token on any rank. grad_norm
-        (sum over optimizer steps) and optimizer_steps, both already identical on every rank.
+        dict: sums, this rank's: loss_tokens (the `tokens` count every loss returns), every
+        other metric `policy_loss` returns (a mean over its loss tokens) times those tokens,
+        and sampler_logprob_gap (|trainer - sampler| logprob summed over loss tokens); none
+        without a loss token on any rank. grad_norm (sum over optimizer steps) and
+        optimizer_steps, both already identical on every rank.
     """
     K = updates_per_step
     # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
