@@ -10,7 +10,7 @@ model text before the first ```python block, the denominator every completion to
 interpreter output + final EOS), as the paper states the ratio over the whole trajectory.
 With a thinking template (generation prompt ending in `<think>\n`) the trajectory is
 written inside the think block, so prose reasoning there before the first block is plan.
-Prompt: executor.SYSTEM_PROMPT (byte-identical to what the student sees in the other
+Prompt (executor.stage_prompt_ids): SYSTEM_PROMPT (byte-identical to what the student sees in the other
 stages), the exemplars of data/exemplars.jsonl as prior user / assistant turns (so each
 sits in the assistant role exactly as the teacher must write), then the problem, all
 through the teacher's own chat template.
@@ -72,13 +72,6 @@ def load_exemplars(path: str) -> list:
     for r in rows:
         split_completion(str(r.get("completion", "")), where=f"{path}: exemplar {r.get('id')!r}: ")
     return rows
-
-
-def teacher_prompt_ids(tokenizer, problem: str, exemplars, stateful: bool = False) -> list:
-    """The teacher's prompt: SYSTEM_PROMPT (its --stateful variant), the exemplars as prior
-    turns, the problem."""
-    return ex.build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
-                               system=ex.SYSTEM_PROMPT_STATEFUL if stateful else ex.SYSTEM_PROMPT)
 
 
 # -----------------------------------------------------------------------------
@@ -223,7 +216,7 @@ def main(argv=None):
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
         # prompts are measured before any forward: one with no room for a token under
         # --max-context is skipped and counted, never prefilled
-        prompt_ids = {i: teacher_prompt_ids(tokenizer, p["problem"], exemplars, args.stateful) for i, p in mine}
+        prompt_ids = {i: ex.stage_prompt_ids(tokenizer, p["problem"], args.stateful, exemplars) for i, p in mine}
         mine = [(i, p) for i, p in mine if len(prompt_ids[i]) < args.max_context]
         if len(mine) < len(prompt_ids):
             print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "

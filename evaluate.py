@@ -599,8 +599,7 @@ def run(args) -> None:
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
-            system = ex.SYSTEM_PROMPT_STATEFUL if args.stateful else ex.SYSTEM_PROMPT
-            prompts = {(w["benchmark"], q["id"]): ex.build_prompt_ids(tok, q["problem"], system=system)
+            prompts = {(w["benchmark"], q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful)
                        for w in waves for q in w["problems"]}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
@@ -614,7 +613,7 @@ def run(args) -> None:
                     # the whole wave is rerun even when a resumed run lacks only some of its
                     # samples: the same call (prompts, n, seed) reproduces the same samples
                     samples = ex.rollout(model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
-                                         seed=w["seed"], progress=rank == 0 and sys.stderr.isatty(),
+                                         seed=w["seed"], progress=rank == 0,
                                          **{a: getattr(args, a) for a in ROLLOUT_ARGS})
                     # samples[n] is work item n of the wave (problem-major); its seed is the call's
                     rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],

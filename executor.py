@@ -599,7 +599,7 @@ Every block is a complete program run on its own: nothing (variables, imports, f
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
-# --stateful (issue 18): the same prompt, with the sentence on blocks for the other policy
+# --stateful (Sandbox.run's history): the same prompt, with the sentence on blocks for that policy
 SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(
     "Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, "
     "so each block imports and defines what it needs.",
@@ -742,6 +742,16 @@ def prompt_messages(problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> li
     for q, a in fewshot:
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return msgs + [{"role": "user", "content": problem}]
+
+
+def stage_prompt_ids(tokenizer, problem: str, stateful: bool = False, exemplars=(), **template_kwargs) -> list[int]:
+    """THE prompt of every stage (distill's teacher, sft, grpo, evaluate), and the one place
+    to change for a prompt ablation: the system prompt of the interpreter policy
+    (SYSTEM_PROMPT, or SYSTEM_PROMPT_STATEFUL for --stateful), the exemplars (rows with
+    "problem" and "completion": distill's few shots) as prior turns, then the problem, as
+    `build_prompt_ids` tokenizes them (template_kwargs go to it)."""
+    return build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
+                            system=SYSTEM_PROMPT_STATEFUL if stateful else SYSTEM_PROMPT, **template_kwargs)
 
 
 def output_block(output: str, lead: str = "\n") -> str:
@@ -1213,20 +1223,41 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     return [_to_sample(r, tokenizer, stops, seed) for r in rows]
 
 
+class LogLines:
+    """The file of a tqdm bar whose stderr is not a terminal (a cluster job's log): each
+    redraw becomes one plain line, without carriage returns or cursor escapes, and at most
+    one line is written every `every` seconds (the first at once; later redraws dropped)."""
+
+    def __init__(self, stream, every: float = 30.0):
+        self.stream, self.every, self.last = stream, every, -math.inf
+
+    def write(self, text: str):
+        line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\r\n]", "", text).strip()
+        if line and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            print(line, file=self.stream, flush=True)
+
+
+def progress_bar(**tqdm_kwargs):
+    """The progress bar of every stage: tqdm on stderr; off a terminal a plain line at most
+    every 30 s with the same figures (`LogLines`)."""
+    from tqdm import tqdm
+
+    return tqdm(**tqdm_kwargs, **({} if sys.stderr.isatty() else {"file": LogLines(sys.stderr), "ascii": True}))
+
+
 class RolloutProgress:
-    """A tqdm bar for `rollout(..., progress=bar)`: samples finished of `total` (one bar may
-    span several rollout calls, e.g. a GRPO step's waves), model tokens per second, code
-    blocks run and how many of them failed (counted as their samples finish). With
+    """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one
+    bar may span several rollout calls, e.g. a GRPO step's waves), model tokens per second,
+    code blocks run and how many of them failed (counted as their samples finish). With
     `disable` (ranks other than 0) it counts but shows nothing."""
 
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
-        from tqdm import tqdm
-
         self.done = self.tokens = self.blocks = self.errors = 0
         # a decode step is far shorter than a redraw: tqdm redraws at most once a second
         # miniters=0: redraw on update(0) too, so tok/s moves between finished samples
-        self.bar = tqdm(total=total, desc=desc, unit="sample", leave=False, disable=disable,
-                        mininterval=1.0, miniters=0)
+        self.bar = progress_bar(total=total, desc=desc, unit="sample", leave=False, disable=disable,
+                                mininterval=1.0, miniters=0)
         self.start = time.perf_counter()
 
     def __call__(self, tokens: int, done=None):

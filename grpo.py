@@ -12,9 +12,12 @@ prompt, interpreter-output and padding tokens are never in the loss. pi_old is t
 trainer's own forward before the step's first update (ratio exactly 1 with one update;
 dropout is off in training, so the trainer's logprobs are the sampler's).
 
-The reward R_i is `answer_reward(sample, problem)`, called once for every sample: it is THE
-place to change for a reward ablation (or pass `reward_fn` to `main` / `grpo_step`). The
+The reward R is `--reward FILE.py:FUNCTION`, a batch function `reward(samples, problems) ->
+list of floats` (problems[i] is the problem of samples[i]; `answer_reward`, the paper's, by
+default); a reward that is not a finite number stops the run, naming its problem. The
 logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
+Ablations each change one place: the advantage `compute_advantages` (one per sample or one
+per token), the loss `policy_loss` (`update_policy` logs every metric it returns).
 
 Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
 one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run summary, the
@@ -41,18 +44,17 @@ whose x G sequences share the KV cache. --save-every: steps between writes of ou
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
 Departures from the paper (which does not describe these details):
-  1. Groups with all-equal rewards are dropped from the loss and from N (counted, logged),
-     not replaced by more draws (DAPO's dynamic sampling).
+  1. Groups whose advantages are all 0 (all-equal rewards) are dropped from the loss and
+     from N (counted, logged), not replaced by more draws (DAPO's dynamic sampling).
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
 """
-import argparse, copy, hashlib, os, random, sys, time
+import argparse, copy, hashlib, math, os, random, runpy, sys, time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import executor
 import sft
@@ -79,29 +81,30 @@ def mix_seed(*xs) -> int:
     return h
 
 
-def prompt_ids(tokenizer, problem, args) -> list:
-    """The problem's prompt token ids, under --stateful's system prompt or the default one."""
-    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
-    return executor.build_prompt_ids(tokenizer, problem["problem"], system=system)
+# the flags grpo_step passes to collect_rollouts
+ROLLOUT_ARGS = ("group_size", "stateful", "rollout_prompts", "temperature", "top_p", "max_context", "max_new_tokens",
+                "max_tool_calls")
 
 
-def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
-    """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
-    --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
-    stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
+def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, seed: int, stateful: bool = False,
+                     rollout_prompts: int = 0, progress=None, rollout_fn=executor.rollout, **sampling):
+    """G = group_size samples per problem, prompt-major (result[i * G + j]), under the prompt
+    of `executor.stage_prompt_ids`, generated in waves of `rollout_prompts` prompts (0 = all),
+    longest prompts first. `sampling` (temperature, top_p, max_context, max_new_tokens,
+    max_tool_calls), stateful and progress are `executor.rollout`'s. Returns (samples,
+    seconds the sampler stalled waiting on code blocks; the rest of their execution overlaps
+    decoding)."""
     stats = {}
-    prompts = [prompt_ids(tokenizer, p, args) for p in problems]
+    prompts = [executor.stage_prompt_ids(tokenizer, p["problem"], stateful) for p in problems]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave, G = args.rollout_prompts or len(prompts), args.group_size
+    wave, G = rollout_prompts or len(prompts), group_size
     out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
     for w in range(0, len(order), wave):
         idx = order[w:w + wave]
-        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
-                         top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats,
-                         stateful=args.stateful)
+        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, seed=mix_seed(seed, w),
+                         stats=stats, stateful=stateful, progress=progress, **sampling)
         for k, i in enumerate(idx):
             out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
     policy.train(was_training)
@@ -118,11 +121,34 @@ def sync_policy(model, policy):
 # Rewards and group advantages
 
 
-def answer_reward(sample, problem) -> float:
-    """THE reward: called once for every sample, by `grpo_step` (and nothing else decides
-    the reward). The paper's: 1[answer = ground truth]. Change this function (or pass
-    `reward_fn` to `main`) for an ablation; the logged accuracy stays `is_correct`."""
-    return float(is_correct(sample, problem))
+def answer_reward(samples, problems) -> list:
+    """The default reward (the paper's): 1[answer = ground truth] for each sample, problems[i]
+    being the problem of samples[i]. --reward FILE.py:FUNCTION replaces it with a function of
+    the same signature (`load_reward`); the logged accuracy stays `is_correct`."""
+    return [float(is_correct(s, p)) for s, p in zip(samples, problems)]
+
+
+def load_reward(spec: str):
+    """The function named by --reward FILE.py:FUNCTION, run from that file. Raises
+    InputError when the file or the function is missing."""
+    path, _, name = spec.rpartition(":")
+    fn = runpy.run_path(path).get(name) if path.endswith(".py") and os.path.isfile(path) else None
+    if not callable(fn):
+        raise executor.InputError(f"--reward {spec}: expected FILE.py:FUNCTION, a function of an existing file")
+    return fn
+
+
+def batch_rewards(reward_fn, samples, problems) -> torch.Tensor:
+    """(N,) float32 rewards `reward_fn(samples, problems)`, problems[i] the problem of
+    samples[i]. Raises InputError for a reward that is not a finite number, naming its
+    problem (one NaN would make its group's advantages NaN and, after one step, every
+    weight)."""
+    rewards = [float(r) for r in reward_fn(samples, problems)]
+    assert len(rewards) == len(samples), f"the reward function gave {len(rewards)} rewards for {len(samples)} samples"
+    for r, problem in zip(rewards, problems):
+        if not math.isfinite(r):
+            raise executor.InputError(f"reward {r} for a sample of problem {problem['id']!r}: rewards must be finite")
+    return torch.tensor(rewards)
 
 
 def is_correct(sample, problem) -> bool:
@@ -130,12 +156,6 @@ def is_correct(sample, problem) -> bool:
     `sample.pred` comes from model-written tokens only, so an output block printing
     \\boxed{...} earns nothing (tests/faults.md L7)."""
     return bool(sample.pred is not None and executor.grade(sample.pred, str(problem["answer"])))
-
-
-def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) rewards -> (N / G,) bool: groups whose rewards are all equal (no signal)."""
-    r = rewards.reshape(-1, group_size)  # (N/G, G); N = 0 gives (0,)
-    return r.max(dim=1).values == r.min(dim=1).values
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -153,10 +173,23 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size == 1:  # (std of one value would warn)
         return torch.zeros(rewards.shape, dtype=torch.float32)
     r = rewards.to(torch.float64).reshape(-1, group_size)  # (N/G, G)
-    const = constant_groups(rewards, group_size)[:, None]  # (N/G, 1)
+    const = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (N/G, 1): all equal
     std = torch.where(const, 1.0, r.std(dim=1, unbiased=True, keepdim=True))  # (N/G, 1), no 0 / 0 anywhere
     adv = torch.where(const, 0.0, (r - r.mean(dim=1, keepdim=True)) / std)  # (N/G, G)
     return adv.reshape(-1).to(torch.float32)
+
+
+def compute_advantages(samples, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """THE advantage of a step, the one place to change for an advantage ablation.
+
+    Args: samples: the step's N samples, groups of group_size contiguous; rewards: (N,).
+    Returns:
+        (N,) one advantage per sample, or (N, T) one per token, T >= the longest len(ids),
+        column t belonging to samples[i].ids[t] (only model tokens enter the loss; finite
+        everywhere). A group whose advantages are all exactly 0 has no signal and is
+        dropped from the step. The paper's: `group_advantages(rewards, group_size)`.
+    """
+    return group_advantages(rewards, group_size)
 
 
 # -----------------------------------------------------------------------------
@@ -173,7 +206,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         logprobs: (B, T) the current policy's logprob of each token (with grad).
         old_logprobs: (B, T) the same under pi_old. Any value, NaN included, where the mask
             is False: it is selected away with torch.where, never multiplied by 0.
-        advantages: (B,) one per sequence.
+        advantages: (B,) one per sequence, or (B, T) one per token.
         loss_mask: (B, T) bool, True at model-written tokens.
         eps_low, eps_high: asymmetric clip range (clip-higher).
         normalizer: the masked sum is divided by it: the number of loss tokens of the whole
@@ -187,12 +220,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             regions where the gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of
             KL(pi_old || pi)), entropy (if given); and tokens (the count).
     """
-    assert logprobs.shape == old_logprobs.shape == loss_mask.shape and advantages.shape == logprobs.shape[:1]
+    assert logprobs.shape == old_logprobs.shape == loss_mask.shape and advantages.shape[:1] == logprobs.shape[:1]
     mask = loss_mask.bool()  # (B, T)
     old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs.detach())  # (B, T), NaN-free
     log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1), broadcast over T on purpose
+    adv = advantages.to(logprobs.dtype).reshape(len(logprobs), -1)  # (B, 1), broadcast over T on purpose, or (B, T)
     surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
     n_tokens = mask.sum()
     loss = torch.where(mask, -surr, 0.0).sum() / (n_tokens.clamp(min=1) if normalizer is None else normalizer)
@@ -219,17 +252,18 @@ def make_batch(samples, advantages, pad_id: int = 0) -> dict:
 
     Args:
         samples: `executor.Sample`s; `ids` and `roles` are used exactly as the sampler fed them.
-        advantages: (B,) one per sample.
+        advantages: (B,) one per sample, or (B, T') one per token with T' >= the longest sample.
     Returns dict of (B, T) input_ids, attention_mask (from lengths, never from pad ids),
         position_ids, roles; loss_mask (B, T) bool = roles == ROLE_MODEL; sampler_logprobs
-        (B, T) (NaN off model tokens); advantages (B,) float32.
+        (B, T) (NaN off model tokens); advantages (B,) or (B, T) float32.
     """
     assert all(len(s.ids) == len(s.roles) == len(s.logprobs) for s in samples), "ids, roles and logprobs must align"
     mb = sft.collate([{"ids": s.ids, "roles": s.roles} for s in samples], pad_id)
     mb["sampler_logprobs"] = torch.nn.utils.rnn.pad_sequence(  # (B, T)
         [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], batch_first=True, padding_value=float("nan"))
     mb["loss_mask"] = mb["roles"] == executor.ROLE_MODEL  # (B, T)
-    mb["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)  # (B,)
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    mb["advantages"] = adv if adv.dim() == 1 else adv[:, :mb["input_ids"].shape[1]]  # (B,) or (B, T)
     return mb
 
 
@@ -246,56 +280,61 @@ def dummy_batch(pad_id: int = 0) -> dict:
 # The update
 
 
-def _logprobs(model, mb, args, d: Dist, with_entropy: bool):
+def _logprobs(model, mb, proc: Dist, chunk_size: int, temperature: float, with_entropy: bool):
     """(B, T) logprobs of each token at the sampling temperature (chunked head, sft.py),
     with (B, T) entropy if asked; under bf16 autocast on CUDA."""
-    with torch.autocast(d.device.type, dtype=d.autocast_dtype or torch.float32, enabled=d.autocast_dtype is not None):
-        return sft.token_logprobs(model, mb["input_ids"].to(d.device), mb["attention_mask"].to(d.device),
-                                  mb["position_ids"].to(d.device), args.chunk_size, args.temperature,
+    with torch.autocast(proc.device.type, proc.autocast_dtype, enabled=proc.autocast_dtype is not None):
+        return sft.token_logprobs(model, mb["input_ids"].to(proc.device), mb["attention_mask"].to(proc.device),
+                                  mb["position_ids"].to(proc.device), chunk_size, temperature,
                                   return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
 
 
-TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "approx_kl", "entropy")  # policy_loss's per-token metrics
-TRAIN_SUMS = ("loss_tokens", *TOKEN_MEANS, "sampler_logprob_gap")  # the gap: |trainer - sampler| logprob
+UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "chunk_size", "temperature", "grad_clip")
 
 
-def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: int = 0, progress=None) -> dict:
-    """The training half of a GRPO step: --updates-per-step optimizer steps over this rank's
-    samples (one mini-batch each, cut into micro-batches of --micro-batch), every rank in
+def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_batch: int, updates_per_step: int = 1,
+                  eps_low: float = 0.20, eps_high: float = 0.28, chunk_size: int = 1024, temperature: float = 1.0,
+                  grad_clip: float = 1.0, pad_id: int = 0, progress=None) -> dict:
+    """The training half of a GRPO step: `updates_per_step` optimizer steps over this rank's
+    samples (one mini-batch each, cut into micro-batches of `micro_batch`), every rank in
     lockstep.
 
     Args:
         model: the policy as `sft.wrap_model` returned it, in train mode.
-        samples: this rank's samples to learn from; advantages: (len(samples),).
-        progress: optional tqdm bar; its total is set to the micro-batches to run, and it
-            advances by one after each.
+        samples: this rank's samples to learn from; advantages: (len(samples),) or
+            (len(samples), T) (`compute_advantages`).
+        eps_low, eps_high: `policy_loss`'s clip range; chunk_size, temperature:
+            `sft.token_logprobs`'s; grad_clip: max global grad norm (0 = off).
+        progress: None, or the title of a bar of the micro-batches run (`executor.progress_bar`).
     Returns:
-        dict of this rank's sums (TRAIN_SUMS: loss tokens, and clip counts, KL, entropy and
-        |trainer - sampler| logprob gap summed over loss tokens) plus grad_norm (sum over
-        optimizer steps) and optimizer_steps, both already identical on every rank.
+        dict: sums, this rank's: loss_tokens (the `tokens` count every loss returns), every
+        other metric `policy_loss` returns (a mean over its loss tokens) times those tokens,
+        and sampler_logprob_gap (|trainer - sampler| logprob summed over loss tokens); none
+        without a loss token on any rank. grad_norm (sum over optimizer steps) and
+        optimizer_steps, both already identical on every rank.
     """
-    K = args.updates_per_step
+    K = updates_per_step
     # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
     minis = []
     for chunk in torch.arange(len(samples)).tensor_split(K):  # sizes differ by at most one
         chunk = sorted(chunk.tolist(), key=lambda i: -len(samples[i].ids))
-        cuts = [chunk[j:j + args.micro_batch] for j in range(0, len(chunk), args.micro_batch)]
+        cuts = [chunk[j:j + micro_batch] for j in range(0, len(chunk), micro_batch)]
         minis.append([make_batch([samples[i] for i in c], advantages[c], pad_id) for c in cuts])
     # 2) global sizes, fixed before any micro-step: the loss tokens of each mini-batch over
     #    all ranks (the normaliser) and the most micro-batches any rank has (ranks with
     #    fewer run dummy micro-batches so that their collectives pair up, tests/faults.md D3)
     tokens = sft.all_reduce(torch.tensor([float(sum(int(mb["loss_mask"].sum()) for mb in m)) for m in minis],
-                                         dtype=torch.float64, device=d.device)).tolist()
-    n_micro = sft.all_reduce(torch.tensor([len(m) for m in minis], device=d.device), dist.ReduceOp.MAX).tolist()
+                                         dtype=torch.float64, device=proc.device)).tolist()
+    n_micro = sft.all_reduce(torch.tensor([len(m) for m in minis], device=proc.device), dist.ReduceOp.MAX).tolist()
     for k, m in enumerate(minis):
         m += [dummy_batch(pad_id) for _ in range(n_micro[k] - len(m))]
-    progress = tqdm(disable=True) if progress is None else progress
-    progress.reset(total=sum(n for n, t in zip(n_micro, tokens) if t > 0))
+    progress = executor.progress_bar(total=sum(n for n, t in zip(n_micro, tokens) if t > 0), desc=progress,
+                                     unit="micro-batch", leave=False, disable=not progress)
     # 3) old logprobs: the trainer's own forward before any update. Mini-batch 0 uses its
     #    first forward, detached (the same computation), so its ratio is exactly 1; later
     #    mini-batches need a no-grad pass now, before the first optimizer step.
     with torch.no_grad():
-        olds = {(k, j): _logprobs(model, mb, args, d, False)
+        olds = {(k, j): _logprobs(model, mb, proc, chunk_size, temperature, False)
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
     sums, grad_norm = [], 0.0
@@ -305,61 +344,70 @@ def update_policy(model, optimizer, samples, advantages, args, d: Dist, pad_id: 
         for j, mb in enumerate(minis[k]):
             # gradients are all-reduced on the last micro-step only (sft.grad_sync)
             with sft.grad_sync(model, sync=j == n_micro[k] - 1):
-                lp, ent = _logprobs(model, mb, args, d, True)  # (B, T), (B, T)
-                mask = mb["loss_mask"].to(d.device)  # (B, T)
+                logprobs, entropy = _logprobs(model, mb, proc, chunk_size, temperature, True)  # (B, T), (B, T)
+                mask = mb["loss_mask"].to(proc.device)  # (B, T)
                 # DDP / FSDP average gradients over ranks; dividing by tokens / world_size
                 # instead of tokens turns that average into the sum: grad = sum of token losses / N
-                loss, met = policy_loss(lp, olds[k, j] if k > 0 else lp.detach(), mb["advantages"].to(d.device),
-                                        mask, args.eps_low, args.eps_high, tokens[k] / d.world_size, ent)
+                loss, loss_metrics = policy_loss(logprobs, olds[k, j] if k > 0 else logprobs.detach(),
+                                                 mb["advantages"].to(proc.device), mask, eps_low, eps_high,
+                                                 tokens[k] / proc.world_size, entropy)
                 loss.backward()
-            # sums over loss tokens stay on the device until the end (no host sync inside the loop)
-            gap = (lp.detach().float() - mb["sampler_logprobs"].to(d.device)).abs()  # (B, T), NaN off model tokens
-            sums.append({"loss_tokens": met["tokens"], "sampler_logprob_gap": torch.where(mask, gap, 0.0).sum(),
-                         **{name: met[name].double() * met["tokens"] for name in TOKEN_MEANS}})
+            # sums over loss tokens of whatever metrics the loss returns (means over its tokens);
+            # they stay on the device until the end (no host sync inside the loop)
+            gap = (logprobs.detach().float() - mb["sampler_logprobs"].to(proc.device)).abs()  # (B, T), NaN off model
+            n = loss_metrics.pop("tokens")
+            sums.append({"loss_tokens": n, "sampler_logprob_gap": torch.where(mask, gap, 0.0).sum(),
+                         **{name: value.double() * n for name, value in loss_metrics.items()}})
             progress.update()
-        grad_norm += sft.optimizer_step(model, optimizer, args.grad_clip)
-    return {**{k: float(sum(s[k].double() for s in sums)) for k in TRAIN_SUMS}, "grad_norm": grad_norm,
-            "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
+        grad_norm += sft.optimizer_step(model, optimizer, grad_clip)
+    progress.close()
+    return {"sums": {k: float(sum(s[k].double() for s in sums)) for k in (sorted(sums[0]) if sums else [])},
+            "grad_norm": grad_norm, "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
 
 
 # -----------------------------------------------------------------------------
 # One GRPO step
 
 
-def grpo_step(model, policy, tokenizer, optimizer, sandbox, draw, args, d: Dist, step: int,
-              reward_fn=None, rollout_fn=executor.rollout, progress=None):
-    """One GRPO step, called on every rank: rollouts, rewards, group advantages, the update.
+def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc: Dist, step: int,
+              reward_fn=None, rollout_fn=executor.rollout, show_progress: bool = False):
+    """One GRPO step, called on every rank: rollouts, rewards, advantages, the update.
 
     Args:
         model: the trained policy as `sft.wrap_model` returned it.
         policy: the plain module the sampler runs (no collective inside its forward,
             tests/faults.md D2), already holding the current weights (`sync_policy`).
-        draw: () -> this rank's share of the next --prompts-per-step problems.
-        reward_fn: (sample, problem) -> float, called for every sample; default
-            `answer_reward` (the paper's), looked up at each call.
+        problems: this rank's share of the step's --prompts-per-step problems.
+        args: grpo's flags (`parse_args`).
+        reward_fn: (samples, problems) -> list of floats (`answer_reward`'s signature);
+            default `answer_reward`, looked up at each call.
         rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
-        progress: passed to `update_policy` (a tqdm bar of micro-batches).
+        show_progress: a bar for the rollout and one for the training micro-batches.
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
-         records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere)).
+         records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere);
+         samples: this rank's, prompt-major: samples[i] answers problems[i // G]).
     """
-    reward_fn = reward_fn or answer_reward
     G = args.group_size
     t0 = time.perf_counter()
     # 1) rollouts: G samples for each of this rank's problems
-    problems = draw()
-    seed = mix_seed(args.seed, step, d.rank, 0)  # (the trailing 0 keeps the seeds of earlier versions' runs)
-    samples, t_exec = collect_rollouts(policy, tokenizer, problems, sandbox, args, seed, rollout_fn)
-    # 2) rewards -> group advantages; groups with equal rewards carry no signal and are dropped
-    rewards = torch.tensor([float(reward_fn(s, problems[i // G])) for i, s in enumerate(samples)])  # (N,)
-    signal = ~constant_groups(rewards, G).repeat_interleave(G)  # (N,)
-    kept = [s for s, keep in zip(samples, signal.tolist()) if keep]
+    seed = mix_seed(args.seed, step, proc.rank, 0)  # (the trailing 0 keeps the seeds of earlier versions' runs)
+    rollout_bar = executor.RolloutProgress(len(problems) * G, f"step {step} rollout", not show_progress)
+    samples, t_exec = collect_rollouts(policy, tokenizer, problems, sandbox, seed=seed, progress=rollout_bar,
+                                       rollout_fn=rollout_fn, **{k: getattr(args, k) for k in ROLLOUT_ARGS})
+    rollout_bar.close()
+    # 2) rewards -> advantages; a group whose advantages are all 0 carries no signal and is dropped
+    rewards = batch_rewards(reward_fn or answer_reward, samples, [problems[i // G] for i in range(len(samples))])
+    advantages = compute_advantages(samples, rewards, G)  # (N,) or (N, T)
+    kept = advantages.reshape(len(problems), -1).ne(0).any(dim=1).repeat_interleave(G)  # (N,)
     # 3) the update, on the kept groups only
     t1 = time.perf_counter()
-    upd = update_policy(model, optimizer, kept, group_advantages(rewards, G)[signal], args, d,
-                        tokenizer.pad_token_id or 0, progress)
+    train = update_policy(model, optimizer, [s for s, keep in zip(samples, kept.tolist()) if keep], advantages[kept],
+                          proc, pad_id=tokenizer.pad_token_id or 0, progress=show_progress and f"step {step} training",
+                          **{k: getattr(args, k) for k in UPDATE_ARGS})
     times = [t1 - t0 - t_exec, t_exec, time.perf_counter() - t1]  # rollout (less the stalls), exec stalls, training
-    return step_metrics(step, problems, samples, rewards, upd, times, G, optimizer, d)
+    return (*step_metrics(step, problems, samples, rewards, int((~kept).sum()) // G, train, times, G, optimizer, proc),
+            samples)
 
 
 # -----------------------------------------------------------------------------
@@ -374,36 +422,37 @@ SHARES = {  # metric: (numerator, denominator), sums over the step's samples on 
 }
 
 
-def step_metrics(step: int, problems, samples, rewards, upd: dict, times: list, G: int, optimizer, d: Dist):
+def step_metrics(step: int, problems, samples, rewards, dropped: int, train, times, G: int, optimizer, proc: Dist):
     """The step's metrics and per-prompt pass rates, computed in one place from this rank's
-    problems, samples and (N,) rewards and `update_policy`'s sums: every count is summed
-    over ranks in one all-reduce, the times are the slowest rank's, the records are
-    gathered on rank 0. Training metrics are None when no group had signal (not a
-    misleading 0). Returns (metrics, records) as `grpo_step`."""
+    problems, samples, (N,) rewards, groups dropped for no signal and `update_policy`'s
+    sums: every count is summed over ranks in one all-reduce, the times are the slowest
+    rank's, the records are gathered on rank 0. The loss's metrics are means per loss
+    token, absent (with grad_norm None) when no group had signal (not a misleading 0).
+    Returns (metrics, records) as `grpo_step`."""
     correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)])  # (N,)
     records = [{"step": step, "id": p["id"], "n": G, "correct": c, "reward": r} for p, c, r in
                zip(problems, correct.reshape(-1, G).sum(1).tolist(), rewards.reshape(-1, G).sum(1).tolist())]
     statuses = [b["status"] for s in samples for b in s.blocks or []]
     sums = {"samples": len(samples), "groups": len(problems), "reward": rewards.sum(), "correct": correct.sum(),
-            "zero_var_groups": constant_groups(rewards, G).sum(), "tool_calls": len(statuses),
+            "zero_var_groups": dropped, "tool_calls": len(statuses),
             "exec_errors": sum(x != "ok" for x in statuses), "model_tokens": sum(s.n_model_tokens for s in samples),
             **{"finish_" + f: sum(s.finish_reason == f for s in samples) for f in ("length", "tool_budget")},
-            **{k: upd[k] for k in TRAIN_SUMS}}  # the same keys, in the same order, on every rank
-    tot = dict(zip(sums, sft.all_reduce(torch.tensor([float(v) for v in sums.values()], dtype=torch.float64,
-                                                     device=d.device)).tolist()))
-    times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=d.device), dist.ReduceOp.MAX).tolist()
-    if d.world_size > 1:
-        parts = [None] * d.world_size
+            "loss_tokens": 0, **train["sums"]}  # the same keys, in the same order, on every rank
+    totals = dict(zip(sums, sft.all_reduce(torch.tensor([float(v) for v in sums.values()], dtype=torch.float64,
+                                                        device=proc.device)).tolist()))
+    times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=proc.device), dist.ReduceOp.MAX).tolist()
+    if proc.world_size > 1:
+        parts = [None] * proc.world_size
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
         records = [r for p in parts for r in p]
-    nt = tot["loss_tokens"]
-    metrics = {"step": step, "groups": int(tot["groups"]), "loss_tokens": int(nt),
-               **{name: tot[a] / max(tot[b], 1.0) for name, (a, b) in SHARES.items()},
-               **{name: tot[name] / nt if nt else None for name in TRAIN_SUMS[1:]},  # means per loss token
-               "grad_norm": upd["grad_norm"] / upd["optimizer_steps"] if nt else None,
-               "optimizer_steps": upd["optimizer_steps"], "lr": optimizer.param_groups[0]["lr"],
+    loss_tokens = totals["loss_tokens"]
+    metrics = {"step": step, "groups": int(totals["groups"]), "loss_tokens": int(loss_tokens),
+               **{name: totals[a] / max(totals[b], 1.0) for name, (a, b) in SHARES.items()},
+               **{name: totals[name] / loss_tokens for name in train["sums"] if name != "loss_tokens"},  # per token
+               "grad_norm": train["grad_norm"] / train["optimizer_steps"] if loss_tokens else None,
+               "optimizer_steps": train["optimizer_steps"], "lr": optimizer.param_groups[0]["lr"],
                **dict(zip(("time_rollout", "time_exec", "time_train"), times))}
-    return metrics, (records if d.rank == 0 else [])
+    return metrics, (records if proc.rank == 0 else [])
 
 
 def budget_warning(metrics) -> str | None:
@@ -489,15 +538,14 @@ def step_table(rows) -> str:
     return "\n".join(lines)
 
 
-def run_summary(args, problems, tokenizer, samples, reward_fn) -> str:
-    """What a run ends with (rank 0): one sampled trajectory of its last step in readable
-    form (a correct one with code if any, else the one with the most blocks), the per-step
-    table of metrics.jsonl, and where the files are."""
-    by_prompt = {tuple(prompt_ids(tokenizer, p, args)): p for p in problems}
-    s, prob = max(((s, by_prompt[tuple(s.prompt_ids)]) for s in samples),
+def run_summary(args, problems, samples, reward_fn) -> str:
+    """What a run ends with (rank 0): one sampled trajectory of its last step (samples[i]
+    answers problems[i // G]) in readable form (a correct one with code if any, else the one
+    with the most blocks), the per-step table of metrics.jsonl, and where the files are."""
+    s, prob = max(((s, problems[i // args.group_size]) for i, s in enumerate(samples)),
                   key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
                                   len(sp[0].blocks)))
-    record = dict(executor.sample_record(prob, s), reward=float(reward_fn(s, prob)))
+    record = dict(executor.sample_record(prob, s), reward=float(reward_fn([s], [prob])[0]))
     return "\n".join([
         "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
         "Per step (metrics.jsonl):", "",
@@ -531,6 +579,7 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
+    p.add_argument("--reward", help="FILE.py:FUNCTION: f(samples, problems) -> floats; default 1[answer = gold]")
     # rollout
     p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
@@ -556,19 +605,22 @@ def parse_args(argv=None):
 
 
 def main(argv=None, reward_fn=None):
-    """Run GRPO from the command line. `reward_fn` (sample, problem) -> float replaces
-    `answer_reward` when called from Python (tests)."""
+    """Run GRPO from the command line. `reward_fn` (samples, problems) -> floats replaces
+    --reward when called from Python (tests)."""
     args = parse_args(argv)
+    reward_fn = reward_fn or (load_reward(args.reward) if args.reward else answer_reward)
     rank, _, world, device = sft.setup_distributed(args.seed)
     args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
     if args.resume:  # one interpreter policy per run: its rollouts and prompt never mix
         executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",),
                                  f"the rollouts of {args.resume}")
-    d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
+    proc = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
     sft.print0(f"{args.prompts_per_step} prompts x G {args.group_size} a step over {world} ranks, micro-batch "
                f"{args.micro_batch}, {args.updates_per_step} update(s) a step (1: on-policy, the ratio is exactly 1)")
+    if args.updates_per_step == 1 and (args.eps_low, args.eps_high) != (0.20, 0.28):
+        sft.print0("warning: --eps-low / --eps-high change nothing with --updates-per-step 1 (the ratio is exactly 1)")
 
     # 1) data, read before anything is written (bad input changes no file)
     problems = executor.read_problems(args.data)
@@ -586,7 +638,8 @@ def main(argv=None, reward_fn=None):
     # prompts are measured before any forward: one with no room for a token under --max-context
     # is skipped and counted, never prefilled (every rank filters the same list)
     n0 = len(problems)
-    problems = [p for p in problems if len(prompt_ids(tokenizer, p, args)) < args.max_context]
+    problems = [p for p in problems
+                if len(executor.stage_prompt_ids(tokenizer, p["problem"], args.stateful)) < args.max_context]
     if not problems:
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
@@ -595,52 +648,40 @@ def main(argv=None, reward_fn=None):
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
     # itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
-    share = not args.fsdp and d.autocast_dtype is None
-    policy = None if share else copy.deepcopy(lm).to(device, d.autocast_dtype or torch.float32).requires_grad_(False)
+    share = not args.fsdp and proc.autocast_dtype is None
+    policy = None if share else copy.deepcopy(lm).to(device, proc.autocast_dtype or torch.float32).requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     step = 0
     if args.resume:
-        st = sft.load_trainer_state(args.resume, optimizer,
-                                    logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
-        step = st["step"]
-        stream.load_state_dict(st["data"])
+        state = sft.load_trainer_state(args.resume, optimizer,
+                                       logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
+        step = state["step"]
+        stream.load_state_dict(state["data"])
         for group in optimizer.param_groups:  # the flags given now apply, as --help says
             group["lr"], group["weight_decay"] = args.lr, args.weight_decay
 
-    # 3) the loop; rank 0 shows a bar per phase and keeps its last rollout wave for the summary
-    show_bars, latest, last = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), {}
-    say = tqdm.write if show_bars else lambda text: None
+    # 3) the loop; rank 0 shows a bar per phase and keeps its last step's samples for the summary
+    show_bars, latest, samples = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), []
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    bar = tqdm(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
-
-    def rollout_fn(*a, **kw):
-        last["samples"] = executor.rollout(*a, progress=last["bar"], **kw)
-        return last["samples"]
-
+    bar = executor.progress_bar(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
+    say = bar.write if show_bars else lambda text: None  # (tqdm's write keeps a terminal's bars whole)
     with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             if not share:
                 sync_policy(model, policy)
-            n_samples = args.prompts_per_step // world * args.group_size
-            last["bar"] = executor.RolloutProgress(n_samples, f"step {step} rollout", not show_bars)
-            # delay: drawn only once update_policy has reset it, not beside the rollout bar
-            train_bar = tqdm(total=0, desc=f"step {step} training", unit="micro-batch", leave=False,
-                             disable=not show_bars, delay=0.5)
-            metrics, records = grpo_step(model, policy, tokenizer, optimizer, sandbox,
-                                         lambda: stream.next(args.prompts_per_step), args, d, step,
-                                         reward_fn=reward_fn, rollout_fn=rollout_fn, progress=train_bar)
-            last["bar"].close()
-            train_bar.close()
+            batch = stream.next(args.prompts_per_step)
+            metrics, records, samples = grpo_step(model, policy, tokenizer, optimizer, sandbox, batch, args, proc, step,
+                                                  reward_fn=reward_fn, show_progress=show_bars)
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
                 if warn := budget_warning(metrics):
                     print("\n" + "!" * 80 + "\n" + warn + "\n" + "!" * 80, file=sys.stderr, flush=True)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
-                            tokens=metrics["model_tokens_per_sample"])
+                            tokens=metrics["model_tokens_per_sample"], refresh=False)
             bar.update(1)
             if args.save_every and step % args.save_every == 0 or step == args.steps:
                 say(f"step {step}: writing checkpoint {latest} ...")
@@ -650,8 +691,8 @@ def main(argv=None, reward_fn=None):
                 say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(latest):.1f} GB)")
     bar.close()
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
-    if rank == 0 and last.get("samples"):
-        print(run_summary(args, problems, tokenizer, last["samples"], reward_fn or answer_reward), flush=True)
+    if rank == 0 and samples:
+        print(run_summary(args, batch, samples, reward_fn), flush=True)
     sft.cleanup_distributed()
 
 

@@ -270,10 +270,10 @@ def masked_token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, normalise
 # Data: trajectory JSONL -> ids and roles
 
 def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: int | None = None,
-                  **template_kwargs) -> dict:
+                  **prompt_kwargs) -> dict:
     """Token ids and per-token roles of one trajectory, exactly as the engine feeds them.
 
-    The prompt is `executor.build_prompt_ids(tokenizer, problem, **template_kwargs)`
+    The prompt is `executor.stage_prompt_ids(tokenizer, problem, **prompt_kwargs)`
     (ROLE_PROMPT), generation prompt included (Qwen3-Thinking's ends in `<think>\n`: the
     trajectory is written inside the think block). Then the completion's segments
     (`executor.split_completion`, with the blocks' `outputs` when known): each run of model
@@ -297,7 +297,7 @@ def build_example(tokenizer, problem: str, completion: str, outputs=None, eot: i
         last = executor.decode_text(tokenizer, executor.encode_text(tokenizer, model[0] + "\n")[-1:])
         if output[0].startswith("\n") and last.endswith("\n") and last != "\n":
             model[0], output[0] = model[0] + "\n", output[0][1:]
-    ids = executor.build_prompt_ids(tokenizer, problem, **template_kwargs)
+    ids = executor.stage_prompt_ids(tokenizer, problem, **prompt_kwargs)
     roles = [ROLE_PROMPT] * len(ids)
     for text, role in runs:
         t = executor.encode_text(tokenizer, text)   # plain text: no forged control ids (tests/faults.md G14)
@@ -325,16 +325,17 @@ def read_trajectories(path: str):
         yield where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None
 
 
-def load_sft_data(data, tokenizer, max_len: int, system: str = executor.SYSTEM_PROMPT):
+def load_sft_data(data, tokenizer, max_len: int, stateful: bool = False):
     """Build the examples of a trajectory JSONL (a path, or `read_trajectories` rows) under
-    the system prompt `system` (the stateful one for trajectories distilled with --stateful).
+    the prompt of `executor.stage_prompt_ids` (the stateful one for trajectories distilled
+    with --stateful).
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
     eot = executor.end_of_turn_id(tokenizer)
     examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
         try:
-            examples.append(build_example(tokenizer, problem, completion, outputs, eot, system=system))
+            examples.append(build_example(tokenizer, problem, completion, outputs, eot, stateful=stateful))
         except ValueError as e:
             raise executor.InputError(f"{where}: {e}") from e
     kept = [e for e in examples if len(e["ids"]) <= max_len]
@@ -704,8 +705,7 @@ def main(argv=None):
 
     # 1) model (fp32 master weights) and data
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
-    system = executor.SYSTEM_PROMPT_STATEFUL if args.stateful else executor.SYSTEM_PROMPT
-    examples, dropped = load_sft_data(rows, tokenizer, args.max_len, system)
+    examples, dropped = load_sft_data(rows, tokenizer, args.max_len, args.stateful)
     lengths = [len(e["ids"]) for e in examples]
     n_sup = sum(sum(r in (ROLE_MODEL, ROLE_OUTPUT) for r in e["roles"]) for e in examples)
     print0(f"{len(examples)} trajectories, {sum(lengths)} tokens ({n_sup} supervised); "
@@ -738,8 +738,8 @@ def main(argv=None):
         save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, opt)
 
     # 3) the loop: one optimizer step per global batch
-    from tqdm import tqdm
-    bar = tqdm(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft", unit="step")
+    bar = executor.progress_bar(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft",
+                                unit="step")
     while step < total:
         t0 = time.perf_counter()
         idx = step_indices(step, len(examples), args.global_batch, args.seed)
@@ -756,7 +756,7 @@ def main(argv=None):
                "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if rank == 0:
             executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
         bar.update(1)
         if args.save_every and step % args.save_every == 0 and step < total:
             save(f"step_{step:06d}")

@@ -1,4 +1,4 @@
-"""Bad input in every stage (issue 22): one line `stage.py: error: ...`, exit 2, before any
+"""Bad input in every stage (tests/faults.md B1-B7): one line `stage.py: error: ...`, exit 2, before any
 model loads, and no file outside a new --out created or changed. One table per stage,
 then the faults that used to give a silent wrong result: numbers in problem files, a
 stage writing over another stage's run, resume mixing settings, prompts longer than the

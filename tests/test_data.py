@@ -43,7 +43,7 @@ def test_demo_answers_are_what_code_computes():
         assert r["answer"] == str(int(ANSWERS[r["id"]]())), r["id"]
 
 
-# data/make_exact.py: the "Does it learn?" problems (issue 20), each answer recomputed
+# data/make_exact.py: the "Does it learn?" problems, each answer recomputed
 # another way than the generator's (sympy, or Python written differently).
 ROOT = __file__.rsplit("/tests/", 1)[0]
 sys.path.insert(0, f"{ROOT}/data")

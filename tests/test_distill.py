@@ -188,7 +188,7 @@ def test_exemplar_outputs_are_what_the_sandbox_prints(exemplars, sandbox):
 @pytest.mark.timeout(20)
 def test_prompt_round_trips_through_chat_template(tokenizer, exemplars):
     problem = "How many primes are below 30?"
-    ids = distill.teacher_prompt_ids(tokenizer, problem, exemplars)
+    ids = ex.stage_prompt_ids(tokenizer, problem, exemplars=exemplars)
     msgs = [{"role": "system", "content": ex.SYSTEM_PROMPT}]
     for e in exemplars:
         msgs += [{"role": "user", "content": e["problem"]}, {"role": "assistant", "content": e["completion"]}]

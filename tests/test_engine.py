@@ -450,7 +450,7 @@ def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
     assert sum(1 for c in calls[i + 1:] if c == [0, 1]) >= 5, calls
 
 
-# -- the text that runs is the decode of the ids (issue 15.1, 21.5) --------------------------
+# -- the text that runs is the decode of the ids (tests/faults.md G9, G10) -------------------
 
 def _one_block_script(tok, plan_and_code, output):
     """Prompt, then a model segment (plan, ```python, code, closing fence), the engine's
@@ -497,7 +497,7 @@ def test_sentencepiece_code_keeps_its_spaces(sandbox):
     assert ex.split_completion(tok.decode(seg))[1].body == code
 
 
-# -- sampler edge cases (issue 15.3, 15.4) ---------------------------------------------------
+# -- sampler edge cases (tests/faults.md G11, G12) -------------------------------------------
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_non_finite_logits_raise_naming_the_row(temperature):
@@ -514,7 +514,7 @@ def test_non_finite_logits_raise_naming_the_row(temperature):
 
 
 def test_top_k_then_top_p_keep_what_transformers_warpers_keep():
-    """The issue's case by hand, then a few hundred random distributions and settings:
+    """tests/faults.md G12's case by hand, then a few hundred random distributions and settings:
     the kept set is exactly that of TopKLogitsWarper then TopPLogitsWarper (the nucleus of
     the renormalised top-k distribution), float boundaries included."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper

@@ -88,18 +88,16 @@ def test_rollout_progress_counts_tokens_samples_blocks_and_errors(tokenizer):
     assert (bar.done, bar.tokens, bar.blocks, bar.errors) == (2, 2 * (len(seg1) + 1), 2, 2)
 
 
-def test_training_bar_counts_the_micro_batches_of_the_update():
-    from tqdm import tqdm
+def test_training_bar_counts_the_micro_batches_of_the_update(monkeypatch):
+    bars, make_bar = [], ex.progress_bar
+    monkeypatch.setattr(ex, "progress_bar", lambda **kw: bars.append(make_bar(**kw)) or bars[-1])
     tok = tiny.make_tokenizer()
     lm = tiny.make_model(tok).train()
     samples = [ex.Sample(prompt_ids=[5, 6], ids=[5, 6, 7 + i], roles=[ex.ROLE_PROMPT] * 2 + [ex.ROLE_MODEL],
                          logprobs=[float("nan")] * 2 + [-1.0]) for i in range(3)]
-    args = grpo.parse_args(["--out", "unused", "--micro-batch", "1"])
-    bar = tqdm(total=0, disable=False)  # as grpo.main opens it: the update sets the total
-    grpo.update_policy(lm, torch.optim.SGD(lm.parameters(), lr=0.0), samples, torch.tensor([1.0, -1.0, 0.5]), args,
-                       grpo.Dist(), progress=bar)
-    assert (bar.n, bar.total) == (3, 3)
-    bar.close()
+    grpo.update_policy(lm, torch.optim.SGD(lm.parameters(), lr=0.0), samples, torch.tensor([1.0, -1.0, 0.5]),
+                       grpo.Dist(), micro_batch=1, progress="training")
+    assert [(bar.desc, bar.n, bar.total) for bar in bars] == [("training", 3, 3)]
 
 
 # -----------------------------------------------------------------------------
@@ -135,7 +133,7 @@ def test_grpo_run_ends_with_a_trajectory_the_step_table_and_the_files(tiny_dir, 
     out = str(tmp_path / "run")
     grpo.main(["--model", tiny_dir, "--data", str(data), "--out", out, "--prompts-per-step", "2",
                "--group-size", "2", "--max-new-tokens", "3", "--exec-workers", "1", "--steps", "2",
-               "--no-progress", "--no-save-optimizer"], reward_fn=lambda s, p: float(s.ids[-1] % 2))
+               "--no-progress", "--no-save-optimizer"], reward_fn=lambda ss, ps: [float(s.ids[-1] % 2) for s in ss])
     text = capsys.readouterr().out
     assert "One trajectory of the last step (rank 0):" in text and "problem p" in text
     assert "| step | reward | accuracy | groups with signal |" in text
@@ -145,7 +143,7 @@ def test_grpo_run_ends_with_a_trajectory_the_step_table_and_the_files(tiny_dir, 
     assert state["step"] == 2 and "optimizer" not in state and "optimizer_shard" not in state
     grpo.main(["--model", tiny_dir, "--data", str(data), "--out", out, "--prompts-per-step", "2",
                "--group-size", "2", "--max-new-tokens", "3", "--exec-workers", "1", "--steps", "3",
-               "--no-progress", "--resume", os.path.join(out, "latest")], reward_fn=lambda s, p: 0.0)
+               "--no-progress", "--resume", os.path.join(out, "latest")], reward_fn=lambda ss, ps: [0.0] * len(ss))
     assert "holds no optimizer state (--no-save-optimizer): AdamW starts fresh" in capsys.readouterr().out
     assert [m["step"] for m in ex.read_jsonl_tolerant(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
 

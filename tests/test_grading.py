@@ -1,6 +1,6 @@
 """Answer extraction and grading: extraction and the integer rule (tests/faults.md A1-A6),
 the Math-Verify path for non-integer (MATH-style) answers, and its time limit from any
-thread (issue 14), on pathological input and when the helper dies."""
+thread (A6, A8), on pathological input and when the helper dies."""
 import math
 import os
 import signal

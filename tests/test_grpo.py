@@ -50,6 +50,11 @@ def problems(n):
             for i in range(n)]
 
 
+def each(reward):
+    """A batch reward (grpo's signature: samples, problems -> floats) from one of a sample."""
+    return lambda samples, problems: [reward(s, p) for s, p in zip(samples, problems)]
+
+
 def first_token_reward(sample, problem):
     """Toy reward a random policy can raise: the first completion token is in a fixed set
     (ids divisible by 8, about 1/8 of the vocabulary)."""
@@ -91,8 +96,7 @@ def l2_grad(lm, samples, adv, micro, d=None):
     d = d or grpo.Dist()
     model = lm if d.world_size == 1 else sft.wrap_model(lm, d.device)
     opt = GradCatcher(model.parameters())
-    args = make_args(micro_batch=micro, grad_clip=0.0)
-    out = grpo.update_policy(model, opt, samples, torch.tensor(adv), args, d)
+    out = grpo.update_policy(model, opt, samples, torch.tensor(adv), d, micro_batch=micro, grad_clip=0.0)
     assert out["optimizer_steps"] == 1
     return opt.grads[0]
 
@@ -120,8 +124,8 @@ def run_steps(lm, tok, args, probs, n_steps, reward_fn, sandbox, rollout_fn=ex.r
     out = []
     for step in range(1, n_steps + 1):
         grpo.sync_policy(model, policy)
-        m, rec = grpo.grpo_step(model, policy, tok, opt, sandbox, lambda: stream.next(args.prompts_per_step),
-                                args, d, step, reward_fn=reward_fn, rollout_fn=rollout_fn)
+        m, rec, _ = grpo.grpo_step(model, policy, tok, opt, sandbox, stream.next(args.prompts_per_step), args, d, step,
+                                   reward_fn=reward_fn and each(reward_fn), rollout_fn=rollout_fn)
         out.append((m, rec))
     return model, out
 
@@ -147,7 +151,6 @@ def test_group_advantages_L3():
     # equal non-integer rewards: exactly 0 (no tiny-std blow-up), never NaN
     a = grpo.group_advantages(torch.tensor([0.1] * 3 + [0.7, 0.1, 0.1]), 3)
     assert a[:3].tolist() == [0.0] * 3 and torch.isfinite(a).all()
-    assert grpo.constant_groups(torch.tensor([1., 1, 1, 0]), 2).tolist() == [True, False]
 
 
 @pytest.mark.timeout(10)
@@ -279,7 +282,7 @@ def test_step_trains_on_engine_ids_with_outputs_masked_L6_L7(tokenizer, model, s
     """grpo_step with the scripted policy: the trainer's forward sees exactly the sampled
     ids, the loss counts model tokens only, and the output block's \\boxed{42} earns 0."""
     s = scripted.samples[0]
-    assert s.pred is None and grpo.answer_reward(s, scripted.prob) == 0.0
+    assert s.pred is None and grpo.answer_reward([s], [scripted.prob]) == [0.0]
     lm = copy.deepcopy(model).train()
     seen = []
     h = lm.model.register_forward_pre_hook(lambda mod, a, kw: seen.append((kw["input_ids"], kw["attention_mask"])),
@@ -288,9 +291,9 @@ def test_step_trains_on_engine_ids_with_outputs_masked_L6_L7(tokenizer, model, s
     alternate = itertools.cycle([1.0, 0.0])
     args = make_args(prompts_per_step=1, group_size=2)
     stream = grpo.PromptStream([scripted.prob], 0)
-    m, rec = grpo.grpo_step(lm, scripted.policy, tokenizer, torch.optim.SGD(lm.parameters(), lr=0.0),
-                            sandbox, lambda: stream.next(1), args, grpo.Dist(), 1,
-                            reward_fn=lambda smp, p: next(alternate), rollout_fn=replay)
+    m, rec, _ = grpo.grpo_step(lm, scripted.policy, tokenizer, torch.optim.SGD(lm.parameters(), lr=0.0),
+                               sandbox, stream.next(1), args, grpo.Dist(), 1,
+                               reward_fn=each(lambda smp, p: next(alternate)), rollout_fn=replay)
     h.remove()
     ids, attn = seen[0]
     for row, mask in zip(ids, attn):
@@ -302,12 +305,12 @@ def test_step_trains_on_engine_ids_with_outputs_masked_L6_L7(tokenizer, model, s
 @pytest.mark.timeout(60)
 def test_reward_reads_the_models_own_answer_L7(tokenizer, model, scripted, sandbox):
     s = scripted.samples[0]
-    assert s.pred is None and grpo.answer_reward(s, scripted.prob) == 0.0  # \\boxed{42} only in the output
+    assert s.pred is None and grpo.answer_reward([s], [scripted.prob]) == [0.0]  # \\boxed{42} only in the output
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     own = ScriptedPolicy(model.config,
                          [scripted.seg1, enc("\nSo the answer is \\boxed{42}") + [tokenizer.eos_token_id]])
     [s2] = ex.rollout(own, tokenizer, [scripted.prompt], sandbox, n=1, max_new_tokens=200, seed=0)
-    assert s2.pred == "42" and grpo.answer_reward(s2, scripted.prob) == 1.0
+    assert s2.pred == "42" and grpo.answer_reward([s2], [scripted.prob]) == [1.0]
 
 
 @pytest.mark.timeout(30)
@@ -372,14 +375,14 @@ def test_the_reward_is_one_function_called_for_every_sample_L10(tokenizer, sandb
     on and logs, for every sample; the logged correctness stays is_correct's."""
     calls = []
 
-    def length_reward(sample, problem):
-        calls.append(problem["id"])
-        return float(sample.ids[len(sample.prompt_ids)] % 2)
+    def parity_reward(samples, problems):
+        calls.append([p["id"] for p in problems])
+        return [float(s.ids[len(s.prompt_ids)] % 2) for s in samples]
 
-    monkeypatch.setattr(grpo, "answer_reward", length_reward)
+    monkeypatch.setattr(grpo, "answer_reward", parity_reward)
     args = make_args(prompts_per_step=2, group_size=4)
     _, [(m, rec)] = run_steps(tiny.make_model(tokenizer), tokenizer, args, problems(2), 1, None, sandbox)
-    assert sorted(calls) == ["p0"] * 4 + ["p1"] * 4  # once per sample
+    assert len(calls) == 1 and sorted(calls[0]) == ["p0"] * 4 + ["p1"] * 4  # one call: every sample, its problem
     assert sum(r["reward"] for r in rec) == m["reward_mean"] * 8 > 0
     assert m["accuracy"] == 0.0 and all(r["correct"] == 0 for r in rec)  # nothing is boxed in 4 tokens
 
@@ -397,8 +400,8 @@ def test_the_loop_learns(tokenizer, sandbox):
     rewards = []
     for step in range(1, 41):
         grpo.sync_policy(lm, policy)
-        m, _ = grpo.grpo_step(lm.train(), policy, tokenizer, opt, sandbox, lambda: stream.next(4), args,
-                              grpo.Dist(), step, reward_fn=first_token_reward)
+        m, _, _ = grpo.grpo_step(lm.train(), policy, tokenizer, opt, sandbox, stream.next(4), args,
+                                 grpo.Dist(), step, reward_fn=each(first_token_reward))
         rewards.append(m["reward_mean"])
         if len(rewards) >= 3 and min(rewards[-2:]) >= 0.9:
             break
@@ -418,6 +421,31 @@ def test_dropped_groups_and_metrics(tokenizer, sandbox):
     assert m["finish_length_share"] == 1.0 and grpo.budget_warning(m)  # every sample hit --max-new-tokens
     assert {"time_rollout", "time_exec", "time_train", "tool_calls_per_sample", "exec_errors_per_sample",
             "model_tokens_per_sample", "finish_tool_budget_share", "accuracy"} <= set(m)
+
+
+@pytest.mark.timeout(30)
+def test_progress_off_a_terminal_is_a_plain_line_every_30_s_L15(monkeypatch, capsys):
+    """stderr redirected to a file (here: captured), a rollout bar updated once a second
+    for 100 s: 4 plain lines (at 0, 30, 60 and 90 s) with the bar's figures, no carriage
+    return and no cursor escape (before: a line a second, with escapes)."""
+    clock = [1000.0]
+    monkeypatch.setattr("tqdm.std.time", lambda: clock[0])  # tqdm's own clock
+    monkeypatch.setattr(ex.time, "monotonic", lambda: clock[0])
+    outer = ex.progress_bar(total=3, desc="grpo", unit="step")  # a second bar open at the same time
+    bar = ex.RolloutProgress(100, "step 1 rollout")
+    done = Sample(prompt_ids=[0], ids=[0, 1], roles=[ROLE_PROMPT, ROLE_MODEL], logprobs=[float("nan"), -1.0],
+                  blocks=[{"status": "error"}], finish_reason="stop")
+    for _ in range(100):
+        clock[0] += 1.0
+        bar(7, done)
+    bar.close()
+    outer.close()
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("step 1 rollout")]
+    assert [line.split(":")[1].split("%")[0].strip() for line in lines] == ["0", "30", "60", "90"]
+    assert lines[-1].split("|")[-1].endswith(", 90 blocks run, 90 errors]")
+    assert len(err.splitlines()) == 4 + 2  # the outer bar: its first line and its last (on close)
 
 
 @pytest.mark.timeout(30)
@@ -464,15 +492,15 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     data = str(tmp_path / "probs.jsonl")
     _write_problems(data, 6)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    grpo.main(_cli(tiny_dir, data, a, "--steps", "4"), reward_fn=first_token_reward)
-    grpo.main(_cli(tiny_dir, data, b, "--steps", "2"), reward_fn=first_token_reward)
+    grpo.main(_cli(tiny_dir, data, a, "--steps", "4"), reward_fn=each(first_token_reward))
+    grpo.main(_cli(tiny_dir, data, b, "--steps", "2"), reward_fn=each(first_token_reward))
     with pytest.raises(ex.InputError, match=r"already holds a run \(metrics.jsonl\); continue it with --resume"):
         grpo.main(_cli(tiny_dir, data, b, "--steps", "4"))  # a fresh run would overwrite b's
     with open(os.path.join(b, "metrics.jsonl"), "a") as f:  # a crash after logging step 3,
         f.write(json.dumps({"step": 3, "reward_mean": -1}) + "\n")
     os.replace(os.path.join(b, "latest"), os.path.join(b, "latest.old"))  # inside save_checkpoint's swap
     grpo.main(_cli(tiny_dir, data, b, "--steps", "4", "--resume", os.path.join(b, "latest")),
-              reward_fn=first_token_reward)
+              reward_fn=each(first_token_reward))
     wa, wb = _load_weights(os.path.join(a, "latest")), _load_weights(os.path.join(b, "latest"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not torch.equal(wa["model.embed_tokens.weight"],
@@ -489,7 +517,7 @@ def test_resume_equivalence_and_drop_solved(tiny_dir, tmp_path):
     ex.append_jsonl(solved, [{"step": 4, "id": "p0", "n": 4, "correct": 4},
                              {"step": 4, "id": "p1", "n": 4, "correct": 4}])
     grpo.main(_cli(tiny_dir, data, a, "--steps", "6", "--resume", os.path.join(a, "latest"), "--drop-solved", solved),
-              reward_fn=first_token_reward)
+              reward_fn=each(first_token_reward))
     later = [r for r in ex.read_jsonl_tolerant(os.path.join(a, "pass_rates.jsonl")) if r["step"] > 4]
     assert len(later) == 4 and not {r["id"] for r in later} & {"p0", "p1"}
 
@@ -502,7 +530,7 @@ def test_stateful_run_measures_and_summarises_its_own_prompts(tiny_dir, tmp_path
     data = str(tmp_path / "probs.jsonl")
     _write_problems(data, 2)
     grpo.main(_cli(tiny_dir, data, str(tmp_path / "o"), "--steps", "1", "--prompts-per-step", "2", "--stateful"),
-              reward_fn=first_token_reward)
+              reward_fn=each(first_token_reward))
     assert "One trajectory of the last step (rank 0):" in capsys.readouterr().out
 
 
@@ -512,11 +540,11 @@ def test_resume_with_the_other_interpreter_policy_is_refused(tiny_dir, tmp_path,
     data = str(tmp_path / "probs.jsonl")
     _write_problems(data, 2)
     out = str(tmp_path / "o")
-    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--prompts-per-step", "2"), reward_fn=first_token_reward)
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--prompts-per-step", "2"), reward_fn=each(first_token_reward))
     capsys.readouterr()
     argv = _cli(tiny_dir, data, out, "--steps", "2", "--prompts-per-step", "2", "--stateful",
                 "--resume", os.path.join(out, "latest"))
-    assert ex.cli(lambda a: grpo.main(a, reward_fn=first_token_reward), argv) == 2
+    assert ex.cli(lambda a: grpo.main(a, reward_fn=each(first_token_reward)), argv) == 2
     err = capsys.readouterr().err
     assert "were made with --stateful False, this run has True" in err and err.count("\n") == 1
     assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 1
@@ -528,9 +556,9 @@ def test_resume_applies_the_lr_given_now(tiny_dir, tmp_path):
     data = str(tmp_path / "probs.jsonl")
     _write_problems(data, 2)
     out = str(tmp_path / "o")
-    grpo.main(_cli(tiny_dir, data, out, "--steps", "1"), reward_fn=first_token_reward)
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1"), reward_fn=each(first_token_reward))
     grpo.main(_cli(tiny_dir, data, out, "--steps", "2", "--lr", "5e-3", "--resume", os.path.join(out, "latest")),
-              reward_fn=first_token_reward)
+              reward_fn=each(first_token_reward))
     assert [m["lr"] for m in ex.read_jsonl_tolerant(os.path.join(out, "metrics.jsonl"))] == [1e-2, 5e-3]
 
 
@@ -739,8 +767,8 @@ def _worker(out_dir, tiny_dir):
         opt = sgd(model.parameters())
         stream = grpo.PromptStream(problems(4), args.seed, rank, world)
         grpo.sync_policy(model, policy)
-        m, _ = grpo.grpo_step(model, policy, tok, opt, sb, lambda: stream.next(2), args, d, 1,
-                              reward_fn=step_eq_reward, rollout_fn=per_prompt_rollout)
+        m, _, _ = grpo.grpo_step(model, policy, tok, opt, sb, stream.next(2), args, d, 1,
+                                 reward_fn=each(step_eq_reward), rollout_fn=per_prompt_rollout)
         grpo.sync_policy(model, policy)  # gathers the sharded weights on every rank
         res["fsdp_metrics"] = m
         if rank == 0:
@@ -754,14 +782,14 @@ def _worker(out_dir, tiny_dir):
     sft.cleanup_distributed = lambda: None  # several command-line runs share this process group
     grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, "d4"), "--steps", "1",
                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
-               "--no-progress"], reward_fn=lambda s, p: 1.0 if rank == 0 else 0.0)
+               "--no-progress"], reward_fn=each(lambda s, p: 1.0 if rank == 0 else 0.0))
 
     # ZeRO-1 (--shard-optimizer): 2 steps plain, 2 steps sharded, 1 sharded step + resume
     def zero_run(name, *extra):
         alternate = itertools.cycle([1.0, 0.0])  # every group has signal: AdamW state after step 1
         grpo.main(["--model", tiny_dir, "--data", data, "--out", os.path.join(out_dir, name), "--prompts-per-step",
                    "2", "--group-size", "2", "--max-new-tokens", "3", "--exec-workers", "1", "--lr", "1e-3",
-                   "--no-progress", *extra], reward_fn=lambda s, p: next(alternate))
+                   "--no-progress", *extra], reward_fn=each(lambda s, p: next(alternate)))
 
     zero_run("zero_plain", "--steps", "2")
     zero_run("zero", "--steps", "2", "--shard-optimizer")

@@ -151,7 +151,7 @@ def test_maj_at_k_uses_the_given_equivalence():
 @pytest.mark.timeout(60)
 def test_maj_at_k_groups_votes_as_the_grader_does():
     """\\frac{140}{2} and 70 are both right for gold 70: one answer with 2 votes, tied
-    with 5's 2 votes; the tie goes to the earliest first vote (issue 21 item 6: grouped by
+    with 5's 2 votes; the tie goes to the earliest first vote (tests/faults.md A9; before, grouped by
     normalised string, 5 won with 2 votes against 1 + 1 and maj@4 was 0)."""
     first = [rec("p", 0, True, "\\frac{140}{2}"), rec("p", 1, True, "70"),
              rec("p", 2, False, "5"), rec("p", 3, False, "5")]

@@ -1,6 +1,6 @@
 """The sandbox (executor.Sandbox): the S faults of tests/faults.md, plain correctness, a
-block as a fresh Python program (issue 13), containment of files, threads, detached
-processes and temp space (issue 21), stateful mode (issue 18), the CLI (issue 22), and
+block as a fresh Python program (S10), containment of files, threads, detached processes
+and temp space (S12-S16), stateful mode (S17), the command line (B6), and
 1,000 blocks in parallel. Every test has a hard outer timeout so a broken sandbox cannot
 hang CI.
 
@@ -836,7 +836,7 @@ def test_block_that_closes_its_stdout_is_reported_plainly(sb):
 
 
 # -----------------------------------------------------------------------------
-# A block is a fresh Python program (issue 13, item 1)
+# A block is a fresh Python program (tests/faults.md S10)
 
 @pytest.mark.timeout(30)
 def test_random_streams_differ_from_block_to_block(sb):
@@ -905,7 +905,7 @@ def test_signals_a_block_sends_itself_act_as_in_python(sb):
 
 
 # -----------------------------------------------------------------------------
-# Containment of files as root (issue 13, item 2)
+# Containment of files as root (tests/faults.md S12)
 
 @pytest.mark.timeout(30)
 @pytest.mark.skipif(os.geteuid() != 0, reason="containment is for a root caller (CI runs as root)")
@@ -938,7 +938,7 @@ def test_root_block_cannot_delete_or_change_files_outside_its_directory(sb):
 
 
 # -----------------------------------------------------------------------------
-# Threads, detached processes, temp space, CPU affinity (issue 21, items 1-4)
+# Threads, detached processes, temp space, CPU affinity (tests/faults.md S13-S16)
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("code,output", [
@@ -1020,7 +1020,7 @@ def test_worker_count_follows_cpu_affinity(tmpdir_for_blocks):
 
 
 # -----------------------------------------------------------------------------
-# Stateful mode (issue 18): earlier blocks of the same trajectory are replayed
+# Stateful mode (tests/faults.md S17): earlier blocks of the same trajectory are replayed
 
 def _trajectory(sandbox, codes):
     """Run codes as the successive blocks of one stateful trajectory -> their results."""
@@ -1135,7 +1135,7 @@ def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, s
 
 
 # -----------------------------------------------------------------------------
-# python executor.py FILE ... (issue 22, item 8; issue 18's --stateful)
+# python executor.py FILE ...: bad input as in every stage (tests/faults.md B6), and --stateful
 
 def _cli(*args, timeout=60):
     return subprocess.run([sys.executable, os.path.join(ROOT, "executor.py"), *args],

@@ -582,7 +582,7 @@ def test_stateful_trajectories_train_under_the_stateful_prompt(tmp_path, tokeniz
     <stem>.args.json records distill's --stateful."""
     path = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(1))
     (plain,), _ = sft.load_sft_data(path, tokenizer, max_len=4096)
-    (stateful,), _ = sft.load_sft_data(path, tokenizer, max_len=4096, system=executor.SYSTEM_PROMPT_STATEFUL)
+    (stateful,), _ = sft.load_sft_data(path, tokenizer, max_len=4096, stateful=True)
     prompt = tokenizer.decode([t for t, r in zip(stateful["ids"], stateful["roles"]) if r == ROLE_PROMPT])
     assert executor.SYSTEM_PROMPT_STATEFUL in prompt and executor.SYSTEM_PROMPT not in prompt
     trajectory = [t for t, r in zip(plain["ids"], plain["roles"]) if r != ROLE_PROMPT]

@@ -96,7 +96,7 @@ def main():
         prompt = prompts[0]
         if args.prompt_tokens:
             exemplars = distill.load_exemplars(os.path.join(ROOT, "data", "exemplars.jsonl"))
-            prompt = distill.teacher_prompt_ids(tok, problems[0], exemplars)[-args.prompt_tokens:]
+            prompt = ex.stage_prompt_ids(tok, problems[0], exemplars=exemplars)[-args.prompt_tokens:]
         # one prompt, the same scripted turns in every row (a group of `batch` samples)
         seq = list(prompt)
         for k in range(args.turns):

@@ -10,7 +10,7 @@ each block), (c) the fork server of commit ffd26f0 (no namespaces, a subreaper a
 scan), loaded from git history into this process only. Columns: median / p90 latency of
 one block when a worker is free, CPU seconds per block (all processes: caller, template,
 block; what competes with decoding on the same cores), and sustained throughput with a
-worker per CPU. Target (issue 13): a sympy block waits <= 30 ms median.
+worker per CPU. Target: a sympy block waits <= 30 ms median.
 """
 import argparse
 import concurrent.futures

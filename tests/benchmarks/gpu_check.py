@@ -1,4 +1,4 @@
-"""GPU check: the paper-scale path measured in one command (issue 19). Not a test.
+"""GPU check: the paper-scale path measured in one command. Not a test.
 
 Models are random-initialised from Qwen3Config with the real Qwen3-1.7B / Qwen3-4B shapes
 (nothing is downloaded; the tokenizer is the tiny byte-level one of tests/tiny.py, whose
@@ -338,10 +338,11 @@ def grpo_row(ctx, length, ckpt):
     args = grpo.parse_args(STAGE_ARGS + ["--micro-batch", "1"])
     d = grpo.Dist(device=ctx.dev, autocast_dtype=ctx.autocast)
     samples = synthetic_samples(ctx, length, 2)
-    t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), args, d,
-                                                          ctx.pad))
+    t, peak, m = measured(ctx, lambda: grpo.update_policy(model, opt, samples, torch.tensor([1.0, -1.0]), d,
+                                                          pad_id=ctx.pad,
+                                                          **{k: getattr(args, k) for k in grpo.UPDATE_ARGS}))
     return dict(seq_tokens=length, sequences=2, checkpointing=checkpointing, time_s=t, train_tok_s=2 * length / t,
-                peak_gib=peak, loss_tokens=m["loss_tokens"])
+                peak_gib=peak, loss_tokens=m["sums"]["loss_tokens"])
 
 
 def sft_row(ctx, length, ckpt):
@@ -391,7 +392,7 @@ def fmt(v):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="GPU check of the paper-scale path (issue 19)")
+    p = argparse.ArgumentParser(description="GPU check of the paper-scale path")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (seconds on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", default="", help="comma-separated label prefixes to run (decode,rollout,grpo,fit,sft)")
