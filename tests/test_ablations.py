@@ -299,3 +299,34 @@ def test_stateful_blocks(tokenizer, model, sandbox, stateful):
     assert [len(s.blocks) for s in samples] == [2, 2] and m["tool_calls_per_sample"] == 2.0
     assert m["exec_errors_per_sample"] == (0.0 if stateful else 1.0)
     assert (samples[0].blocks[1]["output"].strip() == "42") == stateful
+
+
+@pytest.mark.timeout(120)
+def test_another_prompt_reaches_every_stage(tokenizer, model, sandbox, monkeypatch):
+    """A prompt ablation replaces `executor.stage_prompt_ids`, the one function every stage
+    builds its prompt with: the GRPO step's rollouts and SFT's examples then both start with
+    the new prompt's ids, and the SFT example is the new prompt followed by the same
+    completion ids as before."""
+    original = ex.stage_prompt_ids
+    marker = "Answer in code only, please."
+
+    def my_prompt(tokenizer, problem, stateful=False, exemplars=(), **kw):
+        return original(tokenizer, marker + "\n" + problem, stateful, exemplars, **kw)
+
+    completion = "Plan: add.\n```python\nprint(2 + 2)\n```\n```output\n4\n```\n\\boxed{4}"
+    before = sft.build_example(tokenizer, "What is 2 + 2?", completion, ["4"])
+    monkeypatch.setattr(ex, "stage_prompt_ids", my_prompt)
+    after = sft.build_example(tokenizer, "What is 2 + 2?", completion, ["4"])
+    new_prompt = my_prompt(tokenizer, "What is 2 + 2?")
+    n_old = len(original(tokenizer, "What is 2 + 2?"))
+    assert after["ids"][:len(new_prompt)] == new_prompt
+    assert after["ids"][len(new_prompt):] == before["ids"][n_old:]
+    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    policy = ScriptedPolicy(model.config, [enc("\\boxed{4}") + [tokenizer.eos_token_id]])
+    args = make_args(prompts_per_step=1, group_size=2, max_new_tokens=50)
+    prob = {"id": "q0", "problem": "What is 2 + 2?", "answer": "4"}
+    lm = copy.deepcopy(model).train()
+    _, _, samples = grpo.grpo_step(lm, policy, tokenizer, torch.optim.SGD(lm.parameters(), lr=0.0), sandbox, [prob],
+                                   args, grpo.Dist(), 1)
+    assert [s.prompt_ids for s in samples] == [new_prompt, new_prompt]
+    assert marker in tokenizer.decode(samples[0].prompt_ids)
