@@ -41,6 +41,7 @@ import ctypes
 import decimal
 import errno
 import functools
+import gc
 import glob
 import io
 import json
@@ -56,6 +57,7 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,7 +74,10 @@ from typing import NamedTuple
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
-_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # past what os.closerange(3, 1024) closes
+# per machine: audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249), "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
+_NEWNS, _NEWIPC, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x8000000, 0x20000000, 1, 2, 4, 8, 32, 4096
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -112,13 +117,16 @@ def _mount(src, target, fstype, flags, data=None):
 def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     """The fork server, in the template process (started by Sandbox._start). It imports
     numpy, scipy and sympy once, then forks one child per request on the control socket;
-    a request carries three fds: a memfd with the request's JSON, the block's socket (the
-    template sends the child's pid and wait status there) and the output pipe's write end.
-    With `contain`, every mount of the template's own mount namespace is made read-only
-    and nodev first, and each block gets a new PID namespace (see below)."""
+    a request carries four fds: a memfd with the request's JSON, the block's socket (the
+    template sends the child's pid and wait status there, the child that its setup is done
+    or failed; no block code ever holds it), the output pipe's write end and the block's
+    report pipe (see _describe). With `contain`, every mount of the template's own mount
+    namespace is made read-only and nodev first, and each block gets a new PID namespace."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
+    gc.freeze()  # a block's collections skip the template's objects (fast, and no copy-on-write)
+    os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
     ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
     if contain:
         try:
@@ -138,15 +146,18 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)  # (only to wake the select below)
     ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
+    os.dup2(1, 2)  # /dev/null: the caller reads its stderr only until this hello
     running = {}  # pid of a block -> (its socket, write end of its namespace's init pipe)
     while True:
         ready, _, _ = select.select([ctrl, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
         if ctrl in ready:
-            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3, socket.MSG_CMSG_CLOEXEC)
+            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 4)
             if not msg:  # the caller closed its end
                 return
+            for fd in fds:  # (recv_fds ignores MSG_CMSG_CLOEXEC: without this each `cat` held them)
+                os.set_inheritable(fd, False)
             hold_w = None
             if contain:
                 # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
@@ -160,15 +171,18 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             pid = os.fork()
             if pid == 0:
                 try:
-                    _block_child(*fds, contain)
-                except BaseException as e:  # the sandbox's own failure, not the block's
-                    os.write(fds[2], f"\0sandbox: {e!r}".encode())
+                    req = _block_setup(*fds, contain)
+                except BaseException as e:  # the sandbox's own failure, before any block code ran
+                    _send(socket.socket(fileno=fds[1]), error=repr(e))
+                    os._exit(70)
+                try:  # from here on its socket is closed and nothing it raises reaches this loop
+                    _block_main(req)
                 finally:
                     os._exit(70)
             if contain:
                 _libc("setns", pid_ns, _NEWPID)
-            os.close(fds[0])
-            os.close(fds[2])
+            for fd in (fds[0], fds[2], fds[3]):
+                os.close(fd)
             running[pid] = socket.socket(fileno=fds[1]), hold_w
             _send(running[pid][0], pid=pid)
         with contextlib.suppress(ChildProcessError):  # reap every exited child; report how each block ended
@@ -194,16 +208,17 @@ def _tmp_entries_needed() -> list:
     return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
 
 
-def _block_child(req_fd, sock_fd, out_w, contain):
-    """The forked child: becomes the fresh program `python -u block.py` would be, runs
-    the block (after the earlier ones, in stateful mode) and exits as Python does. As a
-    contained block it has a private tmpfs /tmp (its directory /tmp/thinc_block in it) and /dev/shm, its
-    namespace's own /proc, and no capabilities (so it cannot remount anything)."""
+def _block_setup(req_fd, sock_fd, out_w, rep_w, contain) -> dict:
+    """The forked child, before block code: becomes the fresh process `python -u block.py`
+    would run in and returns the request. As a contained block it has a private tmpfs /tmp
+    (its directory /tmp/thinc_block in it) and /dev/shm, its namespace's own /proc, IPC objects and no capabilities (so it cannot
+    remount anything), and the seccomp filter of _no_user_namespaces. It keeps only fds
+    0-2 and its report pipe (at _REPORT_FD): nothing of the template's or the caller's."""
     os.setsid()  # its own process group
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
     if contain:
-        _libc("unshare", _NEWNS)
+        _libc("unshare", _NEWNS | _NEWIPC)  # SysV and POSIX IPC objects of its own, gone with it
         system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
@@ -219,8 +234,11 @@ def _block_child(req_fd, sock_fd, out_w, contain):
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
-    cwd = req["cwd"]
+        _no_user_namespaces()
+    cwd, path = req["cwd"], req["cwd"] + ".py"  # the block as a file beside its directory, for __file__
     os.chdir(cwd)
+    with open(path, "w") as f:  # (spawn and forkserver children import the block from it)
+        f.write(req["code"])
     for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
                          (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
@@ -229,44 +247,75 @@ def _block_child(req_fd, sock_fd, out_w, contain):
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
     os.dup2(out_w, 1)
     os.dup2(out_w, 2)
-    os.dup2(sock_fd, 3, inheritable=False)
+    os.dup2(rep_w, _REPORT_FD, inheritable=False)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the template's and other blocks' fds
+    os.write(sock_fd, b'{"ready": true}')  # its last word there: from here on block code runs
+    os.closerange(3, _REPORT_FD)  # the template's, the caller's and other blocks' fds
+    return req
+
+
+def _block_main(req):
+    """Run the block (after the earlier ones, in stateful mode) and exit as Python does."""
+    cwd, path = req["cwd"], req["cwd"] + ".py"
     os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
-    sys.argv = ["<code>"]
+    sys.argv = [path]
     sys.path.insert(0, cwd)
-    sys.stdin = sys.__stdin__ = _NoStdin()
     sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
                                                errors="backslashreplace", write_through=True) for fd in (1, 2)]
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # unbuffered, as `python -u`
     main = sys.modules["__main__"] = types.ModuleType("__main__")
-    blocks, sock = req["prior"] + [req["code"]], socket.socket(fileno=3)
-    code, error = 0, None
+    main.__file__, blocks, code, error = path, req["prior"] + [req["code"]], 1, None
     try:
         _replay(blocks, main)
-        sock.send(b'{"started": true}')
+        with contextlib.suppress(OSError):  # its own time limit starts now
+            os.write(_REPORT_FD, b"s")
         _execute(blocks, len(blocks) - 1, main, req["stateful"])
+        code = 0
     except SystemExit as e:
         code, error = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256, "SystemExit"
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     except BaseException as e:  # (a timeout while replaying goes to /dev/null with its output)
-        code, error = 1, type(e).__name__
-        _print_traceback(e)
-    with contextlib.suppress(BaseException):  # (the timeout's KeyboardInterrupt while waiting)
-        threading._shutdown()  # as at Python's exit: non-daemon threads finish, then atexit
-        atexit._run_exitfuncs()
-    os.close(1)  # its output ends here: the caller need not wait for this process to exit
-    os.close(2)
-    sock.send(json.dumps({"code": code, "error": error}).encode())
-    os._exit(code)
+        error = type(e).__name__
+        _print_exception(e)
+    finally:  # (whatever is raised here too: the timeout's KeyboardInterrupt, a closed stderr)
+        with contextlib.suppress(BaseException):
+            _finalize(main)
+        with contextlib.suppress(OSError):  # (unless the block closed it: then only its exit status tells)
+            os.write(_REPORT_FD, (error or "-").encode())
+        os._exit(code)
 
 
-class _NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
-    def read(self, *a):
-        raise EOFError("no input is available: the block runs without stdin")
-    readline = read
+def _finalize(main):
+    """What Python does at exit after the main code: non-daemon threads finish, atexit
+    functions run, sys.stdout and sys.stderr are flushed, then the globals are deleted
+    (their __del__ runs, buffered files they hold are flushed)."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    main.__dict__.clear()
+    gc.collect()
+
+
+def _no_user_namespaces():
+    """Install a seccomp filter (kept across fork and exec by all the block starts): no user
+    namespace (unshare or clone with CLONE_NEWUSER; clone3, whose flags a filter cannot
+    read, fails with ENOSYS so that libc falls back to clone), no setns and no kernel keys
+    (keyctl, add_key, request_key): nothing can hide processes from the limits or remount
+    /proc, and no key reaches the caller or another block. Other ABIs are killed."""
+    arch, clone, unshare, clone3, *deny = _SYSCALLS[os.uname().machine]
+    checks = [(clone, 0), (unshare, 0), (clone3, 4)] + [(nr, 3) for nr in deny]  # -> tail[0], [3], [4]
+    start = 6 + len(checks)  # where the tail begins
+    prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x80000000), (0x20, 0, 0, 0),
+            (0x35, start + 3 - 5, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers
+    prog += [(0x15, start + t - 6 - i, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
+    prog += [(0x20, 0, 0, 16), (0x45, 1, 0, 0x10000000), (0x06, 0, 0, 0x7FFF0000),  # flags & CLONE_NEWUSER?
+             (0x06, 0, 0, 0x50000 | errno.EPERM), (0x06, 0, 0, 0x50000 | errno.ENOSYS)]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+    _libc("prctl", 22, ctypes.c_ulong(2), struct.pack("HL", len(prog), ctypes.addressof(code)))  # SECCOMP_MODE_FILTER
 
 
 def _execute(blocks, k, main, stateful):
@@ -283,22 +332,38 @@ def _execute(blocks, k, main, stateful):
 
 def _replay(blocks, main):
     """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
-    an error or exit ends that block only, as in a persistent interpreter."""
-    saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
+    an exception of any kind, or an exit (os._exit too, from any thread), ends that block
+    only, as in a persistent interpreter."""
+    real_exit, me = os._exit, os.getpid()
+    os.dup2(1, _REPORT_FD - 1)  # (high, out of reach of os.closerange(3, 1024))
     os.dup2(0, 1)
     os.dup2(0, 2)
-    os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
-    for k in range(len(blocks) - 1):
-        with contextlib.suppress(Exception, SystemExit):
-            _execute(blocks, k, main, True)
-    os._exit = real_exit
-    for fd, copy in ((1, saved[0]), (2, saved[1])):
-        os.dup2(copy, fd)
-        os.close(copy)
+    os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
+    try:
+        for k in range(len(blocks) - 1):
+            with contextlib.suppress(BaseException):
+                _execute(blocks, k, main, True)
+    finally:
+        os._exit = real_exit
+        os.dup2(_REPORT_FD - 1, 1)
+        os.dup2(_REPORT_FD - 1, 2)
+        os.close(_REPORT_FD - 1)
 
 
-def _print_traceback(e):
-    """Python's traceback of e (and its chained exceptions) without the sandbox's frames."""
+def _end_replayed_block(n):
+    if threading.current_thread() is not threading.main_thread():  # a KeyboardInterrupt there
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    sys.exit(n)
+
+
+def _print_exception(e):
+    """What Python prints for an uncaught e: sys.excepthook's report where the block set
+    one, else its traceback (and its chained exceptions') without the sandbox's frames."""
+    if sys.excepthook is not sys.__excepthook__:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the sandbox's frames
+            tb = tb.tb_next
+        return sys.excepthook(type(e), e, tb)
     te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
     todo = [te]
     while todo:
@@ -365,14 +430,14 @@ class Sandbox(contextlib.AbstractContextManager):
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = (f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        boot = (f"import sys\nsys.path[0] = {os.path.dirname(os.path.abspath(__file__))!r}\n"
                 f"import executor\nsys.path.pop(0)\n"
                 f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
         try:
-            self._proc = subprocess.Popen([self.python, "-I", "-c", boot], pass_fds=[theirs.fileno()], env=env,
+            self._proc = subprocess.Popen([self.python, "-E", "-s", "-c", boot], pass_fds=[theirs.fileno()], env=env,
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
@@ -455,77 +520,95 @@ class Sandbox(contextlib.AbstractContextManager):
             return list(pool.map(self.run, codes))
 
     def _run(self, code, prior, stateful) -> ExecResult:
-        """Run one block: 1) send its request to the template; 2) read its output until it
-        has ended (its own report, or its exit) and every writer closed the output (at most
-        0.2 s more: processes it left running die with its namespace, or, not contained,
-        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end.
-        An OSError out of it (ConnectionError when the template stops answering) means the
-        template is gone: `run` restarts it."""
+        """Run one block: 1) send its request to the template; 2) read its output until the
+        template reports its exit and every writer closed the output (at most 0.2 s more:
+        processes it left running die with its namespace, or, not contained, with its
+        group), stopping it at its deadline or as a fork bomb; 3) describe the end. What
+        the caller trusts (pid, exit status, setup failure) comes on a socket only the
+        template holds; the block's own report pipe can only pick among descriptions of
+        its own end. An OSError out of it (ConnectionError when the template stops
+        answering) means the template is gone: `run` restarts it."""
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
+        rep_r, rep_w = os.pipe()
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf  # drain_end < inf: it ended
+        info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             try:
-                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w])
             finally:  # the template holds its own copies now (or never will)
-                os.close(req)
-                os.close(out_w)
+                for fd in (req, out_w, rep_w):
+                    os.close(fd)
                 theirs.close()
-            while drain_end == math.inf or (out_open and time.monotonic() < drain_end):
+            while drain_end == math.inf or (out_r in reading and time.monotonic() < drain_end):
                 now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
-                counting = self.contained and "started" in info and stop is None
+                counting = self.contained and "ready" in info and pid is not None and stop is None
                 if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
-                        if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
+                        if _tasks(f"/proc/{pid}/root/proc") > MAX_BLOCK_PROCS:
                             stop, deadline = "bomb", now
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
                 wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
-                ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
-                                            max(0.0, wake - time.monotonic()))
+                ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
                 if out_r in ready:
                     data = os.read(out_r, 1 << 16)
                     output.add(data)
-                    out_open = bool(data)
+                    if not data:
+                        reading.remove(out_r)
+                if rep_r in ready:  # untrusted: b"s" as it starts, then how it ended (see _describe)
+                    data = os.read(rep_r, 64)
+                    if not report and data and stop is None:  # its own time limit starts now
+                        deadline = time.monotonic() + self.timeout
+                    report += data
+                    if not data or len(report) > 64:
+                        reading.remove(rep_r)
                 if sock in ready:
                     if not (msg := sock.recv(4096)):
                         raise ConnectionError("the template stopped answering")
-                    msg = json.loads(msg)
-                    if "started" in msg and stop is None:  # its own time limit starts now
-                        deadline = time.monotonic() + self.timeout
-                    if "pid" in msg:
-                        self._running.add(msg["pid"])
-                    if "exit" in msg or "code" in msg:
+                    info.update(json.loads(msg))  # from the template: no block process holds this socket
+                    if "error" in info:
+                        raise SandboxError(f"sandbox could not start a block: {info['error']}")
+                    if "pid" in info:
+                        self._running.add(info["pid"])
+                    if "exit" in info and not ended:
                         drain_end = time.monotonic() + 0.2
                         if not self.contained:  # what is left of its group
                             _signal(pid, signal.SIGKILL)
-                    info.update(msg)
+            with contextlib.suppress(BlockingIOError):  # what it wrote just before its exit
+                os.set_blocking(rep_r, False)
+                report += os.read(rep_r, 64) if rep_r in reading else b""
         finally:
             self._running.discard(info.get("pid"))
             sock.close()
             os.close(out_r)
+            os.close(rep_r)
             if not self.contained:
                 shutil.rmtree(cwd, ignore_errors=True)
-        if output.head.startswith(b"\0sandbox: "):
-            raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
-        status, note = _describe(info, stop, self.timeout)
+                with contextlib.suppress(OSError):
+                    os.remove(cwd + ".py")
+        status, note = _describe(info["exit"], report, stop, self.timeout)
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
 def _signal(pid, sig):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def _tasks(proc) -> int:
+    """Processes and threads under a /proc (the fork-bomb count: threads cost as much)."""
+    return sum(len(os.listdir(f"{proc}/{d}/task")) for d in os.listdir(proc) if d.isdigit())
 
 
 def _user_processes() -> int:
@@ -551,27 +634,28 @@ class _HeadTail:
             del self.tail[:-self.half]
 
 
-def _describe(info, stop, timeout):
+def _describe(wait_status, report, stop, timeout):
     """(status, note): how the block ended, and a last line that says so in words a model
-    can act on ('' for a normal end). info: its messages (exit: its wait status; code and
-    error: its Python exit code and exception name, when it ended through Python)."""
+    can act on ('' for a normal end). wait_status: its main process's, from the template.
+    report: what came on its report pipe, b"s" as it started, then, when it ended through
+    Python, b"-" or the name of the exception that ended it. The block can write there
+    too, so the report only picks among the descriptions of its exit status."""
     if stop == "bomb":
         return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
     if stop == "timeout":
         return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
-    if "code" in info and info["error"] == "MemoryError":
-        return "memory", "(The block hit its memory limit.)"
-    if "code" in info:
-        note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
-        return ("ok" if info["code"] == 0 else "error"), note
-    sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
         return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
                 signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
             sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
-    code = os.WEXITSTATUS(info["exit"])
-    return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
+    code, error = os.WEXITSTATUS(wait_status), report[1:]
+    if error == b"MemoryError" and code:
+        return "memory", "(The block hit its memory limit.)"
+    note = (f"[sys.exit({code}) called: the program stopped here]" if error == b"SystemExit" else
+            "" if error else f"[os._exit({code}) called: the program stopped here]")
+    return ("ok" if code == 0 else "error"), note
 
 
 def _join_output(output, note, max_chars):
