@@ -74,10 +74,14 @@ from typing import NamedTuple
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
-_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # past what os.closerange(3, 1024) closes
-# per machine: audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
-_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249), "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
-_NEWNS, _NEWIPC, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x8000000, 0x20000000, 1, 2, 4, 8, 32, 4096
+# limit files of a cgroup per block: v1's memory and pids hierarchies, and v2
+_CGROUP_LIMITS = {"memory": ("memory.limit_in_bytes",), "pids": ("pids.max",), "": ("memory.max", "pids.max")}
+_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
+# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249),
+             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
+_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_NEWIPC = 0x8000000
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -153,7 +157,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
         if wake_r in ready:
             os.read(wake_r, 4096)
         if ctrl in ready:
-            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 4)
+            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 6)
             if not msg:  # the caller closed its end
                 return
             for fd in fds:  # (recv_fds ignores MSG_CMSG_CLOEXEC: without this each `cat` held them)
@@ -171,7 +175,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             pid = os.fork()
             if pid == 0:
                 try:
-                    req = _block_setup(*fds, contain)
+                    req = _block_setup(*fds[:4], contain, *fds[4:])
                 except BaseException as e:  # the sandbox's own failure, before any block code ran
                     _send(socket.socket(fileno=fds[1]), error=repr(e))
                     os._exit(70)
@@ -181,7 +185,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
                     os._exit(70)
             if contain:
                 _libc("setns", pid_ns, _NEWPID)
-            for fd in (fds[0], fds[2], fds[3]):
+            for fd in fds[:1] + fds[2:]:
                 os.close(fd)
             running[pid] = socket.socket(fileno=fds[1]), hold_w
             _send(running[pid][0], pid=pid)
@@ -208,15 +212,19 @@ def _tmp_entries_needed() -> list:
     return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
 
 
-def _block_setup(req_fd, sock_fd, out_w, rep_w, contain) -> dict:
+def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     """The forked child, before block code: becomes the fresh process `python -u block.py`
     would run in and returns the request. As a contained block it has a private tmpfs /tmp
-    (its directory /tmp/thinc_block in it) and /dev/shm, its namespace's own /proc, IPC objects and no capabilities (so it cannot
-    remount anything), and the seccomp filter of _no_user_namespaces. It keeps only fds
-    0-2 and its report pipe (at _REPORT_FD): nothing of the template's or the caller's."""
+    (its directory /tmp/thinc_block in it) and /dev/shm, its namespace's own /proc and IPC
+    objects, no capabilities (so it cannot remount anything) and the seccomp filter of
+    _no_user_namespaces. Where the caller made one, it joins its cgroup (`cgroups`: open
+    cgroup.procs files). It keeps only fds 0-2 and its report pipe (at _REPORT_FD): nothing
+    of the template's or the caller's."""
     os.setsid()  # its own process group
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
+    for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
+        os.write(procs, b"0")
     if contain:
         _libc("unshare", _NEWNS | _NEWIPC)  # SysV and POSIX IPC objects of its own, gone with it
         system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
@@ -289,15 +297,14 @@ def _block_main(req):
 
 def _finalize(main):
     """What Python does at exit after the main code: non-daemon threads finish, atexit
-    functions run, sys.stdout and sys.stderr are flushed, then the globals are deleted
-    (their __del__ runs, buffered files they hold are flushed)."""
+    functions run, the globals are deleted (their __del__ runs, buffered files they hold
+    are flushed), sys.stdout and sys.stderr are flushed."""
     threading._shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
     main.__dict__.clear()
     gc.collect()
+    sys.stdout.flush()  # (Python's order: these first; here last, as a closed one raises)
+    sys.stderr.flush()
 
 
 def _no_user_namespaces():
@@ -359,11 +366,8 @@ def _end_replayed_block(n):
 def _print_exception(e):
     """What Python prints for an uncaught e: sys.excepthook's report where the block set
     one, else its traceback (and its chained exceptions') without the sandbox's frames."""
-    if sys.excepthook is not sys.__excepthook__:
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the sandbox's frames
-            tb = tb.tb_next
-        return sys.excepthook(type(e), e, tb)
+    if sys.excepthook is not sys.__excepthook__:  # (traceback from the block's frame: past _block_main, _execute)
+        return sys.excepthook(type(e), e, e.__traceback__.tb_next.tb_next)
     te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
     todo = [te]
     while todo:
@@ -424,6 +428,7 @@ class Sandbox(contextlib.AbstractContextManager):
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
         self._proc, self._closed, self._running, self._generation = None, False, set(), 0
+        self._cgroups = []  # cgroups free for the next block (lists of directories, see _make_cgroup)
         # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
         self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
@@ -470,6 +475,8 @@ class Sandbox(contextlib.AbstractContextManager):
         with self._lock:
             self._closed = True
             self._stop()
+            while self._cgroups:
+                _remove_cgroup(self._cgroups.pop())
 
     def __exit__(self, *exc):
         self.close()
@@ -538,14 +545,16 @@ class Sandbox(contextlib.AbstractContextManager):
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
+        group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
+        procs = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group]
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
         info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             try:
-                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w])
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w, *procs])
             finally:  # the template holds its own copies now (or never will)
-                for fd in (req, out_w, rep_w):
+                for fd in (req, out_w, rep_w, *procs):
                     os.close(fd)
                 theirs.close()
             while drain_end == math.inf or (out_r in reading and time.monotonic() < drain_end):
@@ -585,14 +594,12 @@ class Sandbox(contextlib.AbstractContextManager):
                         drain_end = time.monotonic() + 0.2
                         if not self.contained:  # what is left of its group
                             _signal(pid, signal.SIGKILL)
-            with contextlib.suppress(BlockingIOError):  # what it wrote just before its exit
-                os.set_blocking(rep_r, False)
-                report += os.read(rep_r, 64) if rep_r in reading else b""
         finally:
             self._running.discard(info.get("pid"))
             sock.close()
             os.close(out_r)
             os.close(rep_r)
+            (_remove_cgroup if self._closed else self._cgroups.append)(group)
             if not self.contained:
                 shutil.rmtree(cwd, ignore_errors=True)
                 with contextlib.suppress(OSError):
@@ -604,6 +611,37 @@ class Sandbox(contextlib.AbstractContextManager):
 def _signal(pid, sig):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def _make_cgroup(memory_mb) -> list:
+    """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
+    under the caller's own: limits that count every task (threads too) and page (memfds,
+    page cache, kernel memory) of a block. [] where the caller may not make one."""
+    dirs = []
+    with open("/proc/self/cgroup") as f:
+        for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
+            parent = f"/sys/fs/cgroup/{ctrls}{path}".replace("//", "/").rstrip("/")
+            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{parent}/cgroup.procs"):
+                continue  # (another controller, or no cgroup file system there)
+            dirs.append(f"{parent}/thinc_{os.getpid()}_{threading.get_native_id()}_{time.monotonic_ns()}")
+            try:
+                os.mkdir(dirs[-1])
+                for name in _CGROUP_LIMITS[ctrls]:  # (pids: a hard stop, in case a bomb outruns the count)
+                    with open(f"{dirs[-1]}/{name}", "w") as limit:
+                        limit.write(str(2 * MAX_BLOCK_PROCS if name == "pids.max" else memory_mb << 20 or -1))
+            except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
+                _remove_cgroup([dirs.pop()])
+    return dirs
+
+
+def _remove_cgroup(dirs):
+    for d in dirs:
+        end = time.monotonic() + 2  # (the last processes of its namespace take a few ms to go)
+        while os.path.exists(d) and time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+                continue
+            time.sleep(0.01)
 
 
 def _tasks(proc) -> int:
@@ -1681,7 +1719,9 @@ def sample_record(problem: dict, sample) -> dict:
 def format_trajectory(record: dict, width: int = 80) -> str:
     """A sample row (`sample_record`'s fields; `reward` if present) as text to read: the
     problem, the plan, each executed block with its status and output, what the model
-    wrote after its last output (the answer), and the verdict."""
+    wrote after its last output (the answer), and the verdict. Control characters other
+    than newline and tab (ESC, NUL, CR, C1, ...: a block's output could drive the terminal
+    it is printed on) are shown escaped, as Python writes them (`\x1b`)."""
     comp, blocks = record["completion"], record.get("blocks") or []
     plan = comp.split("```", 1)[0]
     tail = comp[len(plan):]  # no block ran: all after the plan (an unrun block, a prose answer)
@@ -1697,7 +1737,7 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     lines.append(f"answer {record.get('pred')!r} vs reference {record['answer']!r}: {verdict}{reward}; "
                  f"{len(blocks)} blocks, {record.get('model_tokens', '?')} model tokens, "
                  f"finish {record.get('finish_reason')}")
-    return "\n".join(lines)
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: ascii(m.group())[1:-1], "\n".join(lines))
 
 
 # -----------------------------------------------------------------------------
