@@ -20,17 +20,35 @@ Departures from the paper (it does not describe its executor):
      carried between blocks); the prompt tells the model so. `--stateful` (rollout's
      `stateful=True`) instead replays the trajectory's earlier blocks before each block
      (`Sandbox.run`), an ablation; the paper does not say which policy it used.
-  2. The sandbox guards against accidents, not against an adversary:
-     covered: infinite loops (timeout), memory bombs (address-space limit), fork bombs,
-       huge output (head + tail), stdin reads, exit() / os._exit / crashes, background
-       and detached processes, threads; as root (development, CI): writes, deletes and
-       device access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
-       read-only), anything left running after the block (a PID namespace per block).
-     not covered: the network; CPU and memory the block's child processes use together
-       (limits are per process); reading any file the caller can read; and when the
-       caller is not root (or namespaces are refused): writes and deletes of the
-       caller's own files, a detached process outliving the block, the shared /tmp and
-       /dev/shm. Run jobs with a model that may be adversarial in a container.
+  2. The sandbox (`Sandbox`) guards against accidents and, as root, against a block that
+     attacks it; it is not a container.
+     covered: infinite loops (timeout), memory bombs (address-space limit), fork and
+       thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
+       background and detached processes, threads, forged messages (the caller trusts
+       only the template's socket, which no block process holds; a block keeps fds 0-2
+       and its own report pipe); as root (development, CI): writes, deletes and device
+       access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
+       read-only), anything left running after the block (a PID namespace per block),
+       SysV and POSIX IPC (an IPC namespace), kernel keys, user namespaces and setns (a
+       seccomp filter, on x86_64 and aarch64); where cgroups may be made (root, cgroup
+       v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
+       tasks of all the block's processes together, memfds, page cache and threads too.
+     not covered (this is the one list of it):
+       - the network; reading any file the caller can read; the descriptions (not the
+         contents) of the caller's keys in /proc/keys; CPU time of a block's processes
+         together (RLIMIT_CPU is per process);
+       - without a cgroup: memory of a block's processes together and memory a process
+         does not map (memfds or /dev/shm files written with write(), pipe and socket
+         buffers; RLIMIT_AS is per process and counts only mappings); processes and
+         threads are counted every 0.1 s, so a fast burst can pass MAX_BLOCK_PROCS
+         between two counts;
+       - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
+       - when the caller is not root (or namespaces are refused): writes and deletes of
+         the caller's own files, a detached process outliving the block, the shared
+         /tmp, /dev/shm, IPC objects and keys, user namespaces;
+       - in stateful mode, spawn and forkserver children import only the current
+         block's file (definitions of earlier blocks are missing there).
+     Run jobs with a model that may be adversarial in a container.
 """
 import argparse
 import atexit
@@ -81,7 +99,6 @@ _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # bey
 _SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249),
              "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
 _NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
-_NEWIPC = 0x8000000
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -175,12 +192,9 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             pid = os.fork()
             if pid == 0:
                 try:
-                    req = _block_setup(*fds[:4], contain, *fds[4:])
+                    _block_main(_block_setup(*fds[:4], contain, *fds[4:]))  # (ends in os._exit)
                 except BaseException as e:  # the sandbox's own failure, before any block code ran
-                    _send(socket.socket(fileno=fds[1]), error=repr(e))
-                    os._exit(70)
-                try:  # from here on its socket is closed and nothing it raises reaches this loop
-                    _block_main(req)
+                    _send(socket.socket(fileno=fds[1]), error=repr(e))  # (later, fds[1] is closed)
                 finally:
                     os._exit(70)
             if contain:
@@ -226,7 +240,7 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
         os.write(procs, b"0")
     if contain:
-        _libc("unshare", _NEWNS | _NEWIPC)  # SysV and POSIX IPC objects of its own, gone with it
+        _libc("unshare", _NEWNS | 0x8000000)  # CLONE_NEWIPC: SysV and POSIX IPC objects of its own
         system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
@@ -235,18 +249,16 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
             _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
             _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
         os.close(system_tmp)
-        os.mkdir(req["cwd"])  # its own empty directory in the private /tmp
         _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
         _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
-        _no_user_namespaces()
-    cwd, path = req["cwd"], req["cwd"] + ".py"  # the block as a file beside its directory, for __file__
-    os.chdir(cwd)
-    with open(path, "w") as f:  # (spawn and forkserver children import the block from it)
-        f.write(req["code"])
+        if os.uname().machine in _SYSCALLS:  # (elsewhere: see the module docstring)
+            _no_user_namespaces()
+    os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
+    os.chdir(req["cwd"])
     for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
                          (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
@@ -265,7 +277,9 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
 
 def _block_main(req):
     """Run the block (after the earlier ones, in stateful mode) and exit as Python does."""
-    cwd, path = req["cwd"], req["cwd"] + ".py"
+    cwd, path = req["cwd"], req["cwd"] + ".py"  # the block as a file beside its directory, for __file__
+    with open(path, "w") as f:  # (spawn and forkserver children import the block from it)
+        f.write(req["code"])
     os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
     sys.argv = [path]
     sys.path.insert(0, cwd)
@@ -287,24 +301,16 @@ def _block_main(req):
     except BaseException as e:  # (a timeout while replaying goes to /dev/null with its output)
         error = type(e).__name__
         _print_exception(e)
-    finally:  # (whatever is raised here too: the timeout's KeyboardInterrupt, a closed stderr)
-        with contextlib.suppress(BaseException):
-            _finalize(main)
+    finally:  # (whatever is raised here too: the timeout's KeyboardInterrupt, a closed stdout)
+        with contextlib.suppress(BaseException):  # Python's exit: threads end, atexit, globals go (their __del__)
+            threading._shutdown()
+            atexit._run_exitfuncs()
+            main.__dict__.clear()  # (buffered files they held are flushed as they go)
+            gc.collect()
+            sys.stdout.flush()  # (Python's order: first; here last, as a closed one raises; stderr is unbuffered)
         with contextlib.suppress(OSError):  # (unless the block closed it: then only its exit status tells)
             os.write(_REPORT_FD, (error or "-").encode())
         os._exit(code)
-
-
-def _finalize(main):
-    """What Python does at exit after the main code: non-daemon threads finish, atexit
-    functions run, the globals are deleted (their __del__ runs, buffered files they hold
-    are flushed), sys.stdout and sys.stderr are flushed."""
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    main.__dict__.clear()
-    gc.collect()
-    sys.stdout.flush()  # (Python's order: these first; here last, as a closed one raises)
-    sys.stderr.flush()
 
 
 def _no_user_namespaces():
@@ -315,10 +321,10 @@ def _no_user_namespaces():
     /proc, and no key reaches the caller or another block. Other ABIs are killed."""
     arch, clone, unshare, clone3, *deny = _SYSCALLS[os.uname().machine]
     checks = [(clone, 0), (unshare, 0), (clone3, 4)] + [(nr, 3) for nr in deny]  # -> tail[0], [3], [4]
-    start = 6 + len(checks)  # where the tail begins
+    n = len(checks)  # (BPF jumps count the instructions skipped; the tail starts at 6 + n)
     prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x80000000), (0x20, 0, 0, 0),
-            (0x35, start + 3 - 5, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers
-    prog += [(0x15, start + t - 6 - i, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
+            (0x35, n + 4, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers: EPERM
+    prog += [(0x15, n - i + t, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
     prog += [(0x20, 0, 0, 16), (0x45, 1, 0, 0x10000000), (0x06, 0, 0, 0x7FFF0000),  # flags & CLONE_NEWUSER?
              (0x06, 0, 0, 0x50000 | errno.EPERM), (0x06, 0, 0, 0x50000 | errno.ENOSYS)]
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
@@ -382,12 +388,17 @@ def _print_exception(e):
 class Sandbox(contextlib.AbstractContextManager):
     """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
-    A block runs as `python -u block.py` would in a new process: as `__main__` (pickling,
-    multiprocessing with fork and `if __name__ == "__main__":` work), with fresh `random`,
-    `numpy.random` and sympy streams, unbuffered output (what was printed before a timeout,
-    kill or crash is returned; child processes interleave in write order), Python's exit
-    codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads and
-    atexit functions finish, within the time limit). Tracebacks show the block's frames.
+    A block runs as `python -u block.py` would in a new process: as `__main__` with a
+    `__file__` (the block, written beside its directory: pickling, `if __name__ ==
+    "__main__":` and multiprocessing with fork, spawn or forkserver work on its functions),
+    with fresh `random`, `numpy.random` and sympy streams, unbuffered output (what was
+    printed before a timeout, kill or crash is returned; child processes interleave in
+    write order), an empty stdin (read() gives '', input() an EOFError at once), Python's
+    exit codes (sys.exit(0 / False / None) succeed; closing fds 1 and 2 or 3-1023 changes
+    nothing else) and its shutdown (a custom sys.excepthook reports an uncaught exception;
+    non-daemon threads and atexit functions finish within the time limit; the globals
+    are deleted, so their __del__ runs and unflushed files are flushed). Tracebacks show
+    the block's frames, as file "<code>".
     It is forked from a template that has imported numpy, scipy and sympy. Why a fork
     server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
     costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
@@ -398,17 +409,24 @@ class Sandbox(contextlib.AbstractContextManager):
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
     shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
     seconds, file size and, when not root, processes; output read with bounded memory,
-    head + tail kept; no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg).
-    As root (`contained` is then True), a block has its own PID namespace (all it starts
-    dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork bomb)
-    and mount namespace: the filesystem read-only and nodev except a private tmpfs /tmp
-    (its working directory and TMPDIR) and /dev/shm; no capabilities. Otherwise it runs
-    as the caller, in its own process group and temporary directory.
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
+    then True), a block has its own PID namespace (all it starts dies with it, however it
+    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
+    namespace and mount namespace: the filesystem read-only and nodev except a private
+    tmpfs /tmp (its working directory and TMPDIR) and /dev/shm; no capabilities; a seccomp
+    filter against user namespaces, setns and kernel keys. Where the caller may make
+    cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
+    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
+    page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
+    process group and temporary directory. It holds nothing of the caller's: the caller
+    trusts only the template's socket, which no block process holds. What is not covered
+    is listed in the module docstring.
 
     Args:
         workers: blocks run at once (default: the CPUs this process may use).
         timeout: wall-clock seconds per block (> 0).
-        memory_mb: address-space limit per block, MiB; 0 = none.
+        memory_mb: address-space limit per process of a block, and with a cgroup of all its
+            processes together, MiB; 0 = none.
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
@@ -427,8 +445,8 @@ class Sandbox(contextlib.AbstractContextManager):
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
-        self._proc, self._closed, self._running, self._generation = None, False, set(), 0
-        self._cgroups = []  # cgroups free for the next block (lists of directories, see _make_cgroup)
+        # self._cgroups: cgroups free for the next block (lists of directories, see _make_cgroup)
+        self._proc, self._closed, self._running, self._generation, self._cgroups = None, False, set(), 0, []
         # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
         self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
@@ -536,7 +554,7 @@ class Sandbox(contextlib.AbstractContextManager):
         its own end. An OSError out of it (ConnectionError when the template stops
         answering) means the template is gone: `run` restarts it."""
         t0 = time.monotonic()
-        cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
+        cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -563,7 +581,9 @@ class Sandbox(contextlib.AbstractContextManager):
                 if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
-                        if _tasks(f"/proc/{pid}/root/proc") > MAX_BLOCK_PROCS:
+                        root = f"/proc/{pid}/root/proc"  # (threads count: they cost as much)
+                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in os.listdir(root) if d.isdigit())
+                        if tasks > MAX_BLOCK_PROCS:
                             stop, deadline = "bomb", now
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
@@ -600,10 +620,8 @@ class Sandbox(contextlib.AbstractContextManager):
             os.close(out_r)
             os.close(rep_r)
             (_remove_cgroup if self._closed else self._cgroups.append)(group)
-            if not self.contained:
-                shutil.rmtree(cwd, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.remove(cwd + ".py")
+            if not self.contained:  # (its directory and the block's file beside it)
+                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
         status, note = _describe(info["exit"], report, stop, self.timeout)
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
@@ -617,20 +635,21 @@ def _make_cgroup(memory_mb) -> list:
     """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
     under the caller's own: limits that count every task (threads too) and page (memfds,
     page cache, kernel memory) of a block. [] where the caller may not make one."""
-    dirs = []
+    dirs, limits = [], {"memory.limit_in_bytes": memory_mb << 20 or -1, "memory.max": memory_mb << 20 or "max",
+                        "pids.max": 2 * MAX_BLOCK_PROCS}  # (pids: a hard stop, should a bomb outrun the count)
     with open("/proc/self/cgroup") as f:
         for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
-            parent = f"/sys/fs/cgroup/{ctrls}{path}".replace("//", "/").rstrip("/")
-            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{parent}/cgroup.procs"):
+            d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
+            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
                 continue  # (another controller, or no cgroup file system there)
-            dirs.append(f"{parent}/thinc_{os.getpid()}_{threading.get_native_id()}_{time.monotonic_ns()}")
             try:
-                os.mkdir(dirs[-1])
-                for name in _CGROUP_LIMITS[ctrls]:  # (pids: a hard stop, in case a bomb outruns the count)
-                    with open(f"{dirs[-1]}/{name}", "w") as limit:
-                        limit.write(str(2 * MAX_BLOCK_PROCS if name == "pids.max" else memory_mb << 20 or -1))
+                os.mkdir(d)
+                for name in _CGROUP_LIMITS[ctrls]:
+                    with open(f"{d}/{name}", "w") as limit:
+                        limit.write(str(limits[name]))
+                dirs.append(d)
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
-                _remove_cgroup([dirs.pop()])
+                _remove_cgroup([d])
     return dirs
 
 
@@ -640,13 +659,7 @@ def _remove_cgroup(dirs):
         while os.path.exists(d) and time.monotonic() < end:
             with contextlib.suppress(OSError):
                 os.rmdir(d)
-                continue
-            time.sleep(0.01)
-
-
-def _tasks(proc) -> int:
-    """Processes and threads under a /proc (the fork-bomb count: threads cost as much)."""
-    return sum(len(os.listdir(f"{proc}/{d}/task")) for d in os.listdir(proc) if d.isdigit())
+            time.sleep(0.001)
 
 
 def _user_processes() -> int:
