@@ -141,7 +141,8 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     a request carries four fds: a memfd with the request's JSON, the block's socket (the
     template sends the child's pid and wait status there, the child that its setup is done
     or failed; no block code ever holds it), the output pipe's write end and the block's
-    report pipe (see _describe). With `contain`, every mount of the template's own mount
+    report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
+    caller made a cgroup for the block. With `contain`, every mount of the template's own mount
     namespace is made read-only and nodev first, and each block gets a new PID namespace."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
@@ -563,7 +564,8 @@ class Sandbox(contextlib.AbstractContextManager):
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
-        group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
+        with self._lock:  # (another thread may take the last free one)
+            group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
         procs = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group]
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
         info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
