@@ -92,8 +92,9 @@ from typing import NamedTuple
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
-# limit files of a cgroup per block: v1's memory and pids hierarchies, and v2
-_CGROUP_LIMITS = {"memory": ("memory.limit_in_bytes",), "pids": ("pids.max",), "": ("memory.max", "pids.max")}
+# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
+_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
+                  "": {"memory.max": "max", "pids.max": "max"}}
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
 # audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
 _SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249),
@@ -175,11 +176,11 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
         if wake_r in ready:
             os.read(wake_r, 4096)
         if ctrl in ready:
-            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 6)
+            # (socket.recv_fds ignores MSG_CMSG_CLOEXEC: through it, each `cat` held these fds)
+            msg, anc, _, _ = ctrl.recvmsg(16, socket.CMSG_SPACE(6 * 4), socket.MSG_CMSG_CLOEXEC)
             if not msg:  # the caller closed its end
                 return
-            for fd in fds:  # (recv_fds ignores MSG_CMSG_CLOEXEC: without this each `cat` held them)
-                os.set_inheritable(fd, False)
+            fds = list(struct.unpack(f"{len(anc[0][2]) // 4}i", anc[0][2]))  # (SCM_RIGHTS: C ints)
             hold_w = None
             if contain:
                 # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
@@ -637,8 +638,7 @@ def _make_cgroup(memory_mb) -> list:
     """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
     under the caller's own: limits that count every task (threads too) and page (memfds,
     page cache, kernel memory) of a block. [] where the caller may not make one."""
-    dirs, limits = [], {"memory.limit_in_bytes": memory_mb << 20 or -1, "memory.max": memory_mb << 20 or "max",
-                        "pids.max": 2 * MAX_BLOCK_PROCS}  # (pids: a hard stop, should a bomb outrun the count)
+    dirs = []
     with open("/proc/self/cgroup") as f:
         for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
             d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
@@ -646,9 +646,9 @@ def _make_cgroup(memory_mb) -> list:
                 continue  # (another controller, or no cgroup file system there)
             try:
                 os.mkdir(d)
-                for name in _CGROUP_LIMITS[ctrls]:
+                for name, none in _CGROUP_LIMITS[ctrls].items():  # (pids: a hard stop, should a bomb outrun the count)
                     with open(f"{d}/{name}", "w") as limit:
-                        limit.write(str(limits[name]))
+                        limit.write(str(2 * MAX_BLOCK_PROCS if name == "pids.max" else memory_mb << 20 or none))
                 dirs.append(d)
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])
