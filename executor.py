@@ -323,10 +323,10 @@ def _no_user_namespaces():
     /proc, and no key reaches the caller or another block. Other ABIs are killed."""
     arch, clone, unshare, clone3, *deny = _SYSCALLS[os.uname().machine]
     checks = [(clone, 0), (unshare, 0), (clone3, 4)] + [(nr, 3) for nr in deny]  # -> tail[0], [3], [4]
-    n = len(checks)  # (BPF jumps count the instructions skipped; the tail starts at 6 + n)
+    # (a BPF jump counts the instructions it skips; the tail starts at 6 + len(checks))
     prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x80000000), (0x20, 0, 0, 0),
-            (0x35, n + 4, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers: EPERM
-    prog += [(0x15, n - i + t, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
+            (0x35, len(checks) + 4, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers: EPERM
+    prog += [(0x15, len(checks) - i + t, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
     prog += [(0x20, 0, 0, 16), (0x45, 1, 0, 0x10000000), (0x06, 0, 0, 0x7FFF0000),  # flags & CLONE_NEWUSER?
              (0x06, 0, 0, 0x50000 | errno.EPERM), (0x06, 0, 0, 0x50000 | errno.ENOSYS)]
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
@@ -495,8 +495,7 @@ class Sandbox(contextlib.AbstractContextManager):
         with self._lock:
             self._closed = True
             self._stop()
-            while self._cgroups:
-                _remove_cgroup(self._cgroups.pop())
+            _remove_cgroup([d for group in self._cgroups for d in group])
 
     def __exit__(self, *exc):
         self.close()
@@ -558,8 +557,7 @@ class Sandbox(contextlib.AbstractContextManager):
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        out_r, out_w = os.pipe()
-        rep_r, rep_w = os.pipe()
+        (out_r, out_w), (rep_r, rep_w) = os.pipe(), os.pipe()  # its output; its own report (see _describe)
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
