@@ -47,7 +47,8 @@ Departures from the paper (it does not describe its executor):
          the caller's own files, a detached process outliving the block, the shared
          /tmp, /dev/shm, IPC objects and keys, user namespaces;
        - in stateful mode, spawn and forkserver children import only the current
-         block's file (definitions of earlier blocks are missing there).
+         block's file (definitions of earlier blocks are missing there);
+       - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
      Run jobs with a model that may be adversarial in a container.
 """
 import argparse
