@@ -20,17 +20,36 @@ Departures from the paper (it does not describe its executor):
      carried between blocks); the prompt tells the model so. `--stateful` (rollout's
      `stateful=True`) instead replays the trajectory's earlier blocks before each block
      (`Sandbox.run`), an ablation; the paper does not say which policy it used.
-  2. The sandbox guards against accidents, not against an adversary:
-     covered: infinite loops (timeout), memory bombs (address-space limit), fork bombs,
-       huge output (head + tail), stdin reads, exit() / os._exit / crashes, background
-       and detached processes, threads; as root (development, CI): writes, deletes and
-       device access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
-       read-only), anything left running after the block (a PID namespace per block).
-     not covered: the network; CPU and memory the block's child processes use together
-       (limits are per process); reading any file the caller can read; and when the
-       caller is not root (or namespaces are refused): writes and deletes of the
-       caller's own files, a detached process outliving the block, the shared /tmp and
-       /dev/shm. Run jobs with a model that may be adversarial in a container.
+  2. The sandbox (`Sandbox`) guards against accidents and, as root, against a block that
+     attacks it; it is not a container.
+     covered: infinite loops (timeout), memory bombs (address-space limit), fork and
+       thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
+       background and detached processes, threads, forged messages (the caller trusts
+       only the template's socket, which no block process holds; a block keeps fds 0-2
+       and its own report pipe); as root (development, CI): writes, deletes and device
+       access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
+       read-only), anything left running after the block (a PID namespace per block),
+       SysV and POSIX IPC (an IPC namespace), kernel keys, user namespaces and setns (a
+       seccomp filter, on x86_64 and aarch64); where cgroups may be made (root, cgroup
+       v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
+       tasks of all the block's processes together, memfds, page cache and threads too.
+     not covered (this is the one list of it):
+       - the network; reading any file the caller can read; the descriptions (not the
+         contents) of the caller's keys in /proc/keys; CPU time of a block's processes
+         together (RLIMIT_CPU is per process);
+       - without a cgroup: memory of a block's processes together and memory a process
+         does not map (memfds or /dev/shm files written with write(), pipe and socket
+         buffers; RLIMIT_AS is per process and counts only mappings); processes and
+         threads are counted every 0.1 s, so a fast burst can pass MAX_BLOCK_PROCS
+         between two counts;
+       - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
+       - when the caller is not root (or namespaces are refused): writes and deletes of
+         the caller's own files, a detached process outliving the block, the shared
+         /tmp, /dev/shm, IPC objects and keys, user namespaces;
+       - in stateful mode, spawn and forkserver children import only the current
+         block's file (definitions of earlier blocks are missing there);
+       - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
+     Run jobs with a model that may be adversarial in a container.
 """
 import argparse
 import atexit
@@ -41,6 +60,7 @@ import ctypes
 import decimal
 import errno
 import functools
+import gc
 import glob
 import io
 import json
@@ -56,6 +76,7 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,6 +93,13 @@ from typing import NamedTuple
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
+# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
+_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
+                  "": {"memory.max": "max", "pids.max": "max"}}
+_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
+# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249),
+             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
 _NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
@@ -112,13 +140,17 @@ def _mount(src, target, fstype, flags, data=None):
 def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     """The fork server, in the template process (started by Sandbox._start). It imports
     numpy, scipy and sympy once, then forks one child per request on the control socket;
-    a request carries three fds: a memfd with the request's JSON, the block's socket (the
-    template sends the child's pid and wait status there) and the output pipe's write end.
-    With `contain`, every mount of the template's own mount namespace is made read-only
-    and nodev first, and each block gets a new PID namespace (see below)."""
+    a request carries four fds: a memfd with the request's JSON, the block's socket (the
+    template sends the child's pid and wait status there, the child that its setup is done
+    or failed; no block code ever holds it), the output pipe's write end and the block's
+    report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
+    caller made a cgroup for the block. With `contain`, every mount of the template's own mount
+    namespace is made read-only and nodev first, and each block gets a new PID namespace."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
+    gc.freeze()  # a block's collections skip the template's objects (fast, and no copy-on-write)
+    os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
     ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
     if contain:
         try:
@@ -138,15 +170,18 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)  # (only to wake the select below)
     ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
+    os.dup2(1, 2)  # /dev/null: the caller reads its stderr only until this hello
     running = {}  # pid of a block -> (its socket, write end of its namespace's init pipe)
     while True:
         ready, _, _ = select.select([ctrl, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
         if ctrl in ready:
-            msg, fds, _, _ = socket.recv_fds(ctrl, 16, 3, socket.MSG_CMSG_CLOEXEC)
+            # (socket.recv_fds ignores MSG_CMSG_CLOEXEC: through it, each `cat` held these fds)
+            msg, anc, _, _ = ctrl.recvmsg(16, socket.CMSG_SPACE(6 * 4), socket.MSG_CMSG_CLOEXEC)
             if not msg:  # the caller closed its end
                 return
+            fds = list(struct.unpack(f"{len(anc[0][2]) // 4}i", anc[0][2]))  # (SCM_RIGHTS: C ints)
             hold_w = None
             if contain:
                 # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
@@ -160,15 +195,15 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             pid = os.fork()
             if pid == 0:
                 try:
-                    _block_child(*fds, contain)
-                except BaseException as e:  # the sandbox's own failure, not the block's
-                    os.write(fds[2], f"\0sandbox: {e!r}".encode())
+                    _block_main(_block_setup(*fds[:4], contain, *fds[4:]))  # (ends in os._exit)
+                except BaseException as e:  # the sandbox's own failure, before any block code ran
+                    _send(socket.socket(fileno=fds[1]), error=repr(e))  # (later, fds[1] is closed)
                 finally:
                     os._exit(70)
             if contain:
                 _libc("setns", pid_ns, _NEWPID)
-            os.close(fds[0])
-            os.close(fds[2])
+            for fd in fds[:1] + fds[2:]:
+                os.close(fd)
             running[pid] = socket.socket(fileno=fds[1]), hold_w
             _send(running[pid][0], pid=pid)
         with contextlib.suppress(ChildProcessError):  # reap every exited child; report how each block ended
@@ -194,16 +229,21 @@ def _tmp_entries_needed() -> list:
     return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
 
 
-def _block_child(req_fd, sock_fd, out_w, contain):
-    """The forked child: becomes the fresh program `python -u block.py` would be, runs
-    the block (after the earlier ones, in stateful mode) and exits as Python does. As a
-    contained block it has a private tmpfs /tmp (its directory /tmp/thinc_block in it) and /dev/shm, its
-    namespace's own /proc, and no capabilities (so it cannot remount anything)."""
+def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
+    """The forked child, before block code: becomes the fresh process `python -u block.py`
+    would run in and returns the request. As a contained block it has a private tmpfs /tmp
+    (its directory /tmp/thinc_block in it) and /dev/shm, its namespace's own /proc and IPC
+    objects, no capabilities (so it cannot remount anything) and the seccomp filter of
+    _no_user_namespaces. Where the caller made one, it joins its cgroup (`cgroups`: open
+    cgroup.procs files). It keeps only fds 0-2 and its report pipe (at _REPORT_FD): nothing
+    of the template's or the caller's."""
     os.setsid()  # its own process group
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
+    for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
+        os.write(procs, b"0")
     if contain:
-        _libc("unshare", _NEWNS)
+        _libc("unshare", _NEWNS | 0x8000000)  # CLONE_NEWIPC: SysV and POSIX IPC objects of its own
         system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
@@ -212,15 +252,16 @@ def _block_child(req_fd, sock_fd, out_w, contain):
             _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
             _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
         os.close(system_tmp)
-        os.mkdir(req["cwd"])  # its own empty directory in the private /tmp
         _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
         _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
-    cwd = req["cwd"]
-    os.chdir(cwd)
+        if os.uname().machine in _SYSCALLS:  # (elsewhere: see the module docstring)
+            _no_user_namespaces()
+    os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
+    os.chdir(req["cwd"])
     for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
                          (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
@@ -229,44 +270,68 @@ def _block_child(req_fd, sock_fd, out_w, contain):
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
     os.dup2(out_w, 1)
     os.dup2(out_w, 2)
-    os.dup2(sock_fd, 3, inheritable=False)
+    os.dup2(rep_w, _REPORT_FD, inheritable=False)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the template's and other blocks' fds
+    os.write(sock_fd, b'{"ready": true}')  # its last word there: from here on block code runs
+    os.closerange(3, _REPORT_FD)  # the template's, the caller's and other blocks' fds
+    return req
+
+
+def _block_main(req):
+    """Run the block (after the earlier ones, in stateful mode) and exit as Python does."""
+    cwd, path = req["cwd"], req["cwd"] + ".py"  # the block as a file beside its directory, for __file__
+    with open(path, "w") as f:  # (spawn and forkserver children import the block from it)
+        f.write(req["code"])
     os.environ.update(HOME=cwd, TMPDIR=cwd, MPLCONFIGDIR=cwd)
-    sys.argv = ["<code>"]
+    sys.argv = [path]
     sys.path.insert(0, cwd)
-    sys.stdin = sys.__stdin__ = _NoStdin()
     sys.stdout, sys.stderr = [io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
                                                errors="backslashreplace", write_through=True) for fd in (1, 2)]
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # unbuffered, as `python -u`
     main = sys.modules["__main__"] = types.ModuleType("__main__")
-    blocks, sock = req["prior"] + [req["code"]], socket.socket(fileno=3)
-    code, error = 0, None
+    main.__file__, blocks, code, error = path, req["prior"] + [req["code"]], 1, None
     try:
         _replay(blocks, main)
-        sock.send(b'{"started": true}')
+        with contextlib.suppress(OSError):  # its own time limit starts now
+            os.write(_REPORT_FD, b"s")
         _execute(blocks, len(blocks) - 1, main, req["stateful"])
+        code = 0
     except SystemExit as e:
         code, error = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256, "SystemExit"
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     except BaseException as e:  # (a timeout while replaying goes to /dev/null with its output)
-        code, error = 1, type(e).__name__
-        _print_traceback(e)
-    with contextlib.suppress(BaseException):  # (the timeout's KeyboardInterrupt while waiting)
-        threading._shutdown()  # as at Python's exit: non-daemon threads finish, then atexit
-        atexit._run_exitfuncs()
-    os.close(1)  # its output ends here: the caller need not wait for this process to exit
-    os.close(2)
-    sock.send(json.dumps({"code": code, "error": error}).encode())
-    os._exit(code)
+        error = type(e).__name__
+        _print_exception(e)
+    finally:  # (whatever is raised here too: the timeout's KeyboardInterrupt, a closed stdout)
+        with contextlib.suppress(BaseException):  # Python's exit: threads end, atexit, globals go (their __del__)
+            threading._shutdown()
+            atexit._run_exitfuncs()
+            main.__dict__.clear()  # (buffered files they held are flushed as they go)
+            gc.collect()
+            sys.stdout.flush()  # (Python's order: first; here last, as a closed one raises; stderr is unbuffered)
+        with contextlib.suppress(OSError):  # (unless the block closed it: then only its exit status tells)
+            os.write(_REPORT_FD, (error or "-").encode())
+        os._exit(code)
 
 
-class _NoStdin(io.TextIOBase):  # input() fails at once instead of waiting out the timeout
-    def read(self, *a):
-        raise EOFError("no input is available: the block runs without stdin")
-    readline = read
+def _no_user_namespaces():
+    """Install a seccomp filter (kept across fork and exec by all the block starts): no user
+    namespace (unshare or clone with CLONE_NEWUSER; clone3, whose flags a filter cannot
+    read, fails with ENOSYS so that libc falls back to clone), no setns and no kernel keys
+    (keyctl, add_key, request_key): nothing can hide processes from the limits or remount
+    /proc, and no key reaches the caller or another block. Other ABIs are killed."""
+    arch, clone, unshare, clone3, *deny = _SYSCALLS[os.uname().machine]
+    checks = [(clone, 0), (unshare, 0), (clone3, 4)] + [(nr, 3) for nr in deny]  # -> tail[0], [3], [4]
+    # (a BPF jump counts the instructions it skips; the tail starts at 6 + len(checks))
+    prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x80000000), (0x20, 0, 0, 0),
+            (0x35, len(checks) + 4, 0, 0x40000000)]  # ld arch; kill other ABIs; ld nr; x32 numbers: EPERM
+    prog += [(0x15, len(checks) - i + t, 0, nr) for i, (nr, t) in enumerate(checks)] + [(0x06, 0, 0, 0x7FFF0000)]
+    prog += [(0x20, 0, 0, 16), (0x45, 1, 0, 0x10000000), (0x06, 0, 0, 0x7FFF0000),  # flags & CLONE_NEWUSER?
+             (0x06, 0, 0, 0x50000 | errno.EPERM), (0x06, 0, 0, 0x50000 | errno.ENOSYS)]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+    _libc("prctl", 22, ctypes.c_ulong(2), struct.pack("HL", len(prog), ctypes.addressof(code)))  # SECCOMP_MODE_FILTER
 
 
 def _execute(blocks, k, main, stateful):
@@ -283,22 +348,35 @@ def _execute(blocks, k, main, stateful):
 
 def _replay(blocks, main):
     """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
-    an error or exit ends that block only, as in a persistent interpreter."""
-    saved, real_exit, me = (os.dup(1), os.dup(2)), os._exit, os.getpid()
+    an exception of any kind, or an exit (os._exit too, from any thread), ends that block
+    only, as in a persistent interpreter."""
+    real_exit, me = os._exit, os.getpid()
+    os.dup2(1, _REPORT_FD - 1)  # (high, out of reach of os.closerange(3, 1024))
     os.dup2(0, 1)
     os.dup2(0, 2)
-    os._exit = lambda n=0: sys.exit(n) if os.getpid() == me else real_exit(n)
-    for k in range(len(blocks) - 1):
-        with contextlib.suppress(Exception, SystemExit):
-            _execute(blocks, k, main, True)
-    os._exit = real_exit
-    for fd, copy in ((1, saved[0]), (2, saved[1])):
-        os.dup2(copy, fd)
-        os.close(copy)
+    os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
+    try:
+        for k in range(len(blocks) - 1):
+            with contextlib.suppress(BaseException):
+                _execute(blocks, k, main, True)
+    finally:
+        os._exit = real_exit
+        os.dup2(_REPORT_FD - 1, 1)
+        os.dup2(_REPORT_FD - 1, 2)
+        os.close(_REPORT_FD - 1)
 
 
-def _print_traceback(e):
-    """Python's traceback of e (and its chained exceptions) without the sandbox's frames."""
+def _end_replayed_block(n):
+    if threading.current_thread() is not threading.main_thread():  # a KeyboardInterrupt there
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    sys.exit(n)
+
+
+def _print_exception(e):
+    """What Python prints for an uncaught e: sys.excepthook's report where the block set
+    one, else its traceback (and its chained exceptions') without the sandbox's frames."""
+    if sys.excepthook is not sys.__excepthook__:  # (traceback from the block's frame: past _block_main, _execute)
+        return sys.excepthook(type(e), e, e.__traceback__.tb_next.tb_next)
     te, seen = traceback.TracebackException(type(e), e, e.__traceback__), set()
     todo = [te]
     while todo:
@@ -313,12 +391,17 @@ def _print_traceback(e):
 class Sandbox(contextlib.AbstractContextManager):
     """A pool of sandboxed Python workers: each code block is a fresh Python program.
 
-    A block runs as `python -u block.py` would in a new process: as `__main__` (pickling,
-    multiprocessing with fork and `if __name__ == "__main__":` work), with fresh `random`,
-    `numpy.random` and sympy streams, unbuffered output (what was printed before a timeout,
-    kill or crash is returned; child processes interleave in write order), Python's exit
-    codes (sys.exit(0 / False / None) succeed) and its shutdown (non-daemon threads and
-    atexit functions finish, within the time limit). Tracebacks show the block's frames.
+    A block runs as `python -u block.py` would in a new process: as `__main__` with a
+    `__file__` (the block, written beside its directory: pickling, `if __name__ ==
+    "__main__":` and multiprocessing with fork, spawn or forkserver work on its functions),
+    with fresh `random`, `numpy.random` and sympy streams, unbuffered output (what was
+    printed before a timeout, kill or crash is returned; child processes interleave in
+    write order), an empty stdin (read() gives '', input() an EOFError at once), Python's
+    exit codes (sys.exit(0 / False / None) succeed; closing fds 1 and 2 or 3-1023 changes
+    nothing else) and its shutdown (a custom sys.excepthook reports an uncaught exception;
+    non-daemon threads and atexit functions finish within the time limit; the globals
+    are deleted, so their __del__ runs and unflushed files are flushed). Tracebacks show
+    the block's frames, as file "<code>".
     It is forked from a template that has imported numpy, scipy and sympy. Why a fork
     server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
     costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
@@ -329,17 +412,24 @@ class Sandbox(contextlib.AbstractContextManager):
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
     shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
     seconds, file size and, when not root, processes; output read with bounded memory,
-    head + tail kept; no stdin (EOFError at once); a scrubbed environment (MPLBACKEND=Agg).
-    As root (`contained` is then True), a block has its own PID namespace (all it starts
-    dies with it, however it detaches; more than MAX_BLOCK_PROCS processes is a fork bomb)
-    and mount namespace: the filesystem read-only and nodev except a private tmpfs /tmp
-    (its working directory and TMPDIR) and /dev/shm; no capabilities. Otherwise it runs
-    as the caller, in its own process group and temporary directory.
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
+    then True), a block has its own PID namespace (all it starts dies with it, however it
+    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
+    namespace and mount namespace: the filesystem read-only and nodev except a private
+    tmpfs /tmp (its working directory and TMPDIR) and /dev/shm; no capabilities; a seccomp
+    filter against user namespaces, setns and kernel keys. Where the caller may make
+    cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
+    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
+    page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
+    process group and temporary directory. It holds nothing of the caller's: the caller
+    trusts only the template's socket, which no block process holds. What is not covered
+    is listed in the module docstring.
 
     Args:
         workers: blocks run at once (default: the CPUs this process may use).
         timeout: wall-clock seconds per block (> 0).
-        memory_mb: address-space limit per block, MiB; 0 = none.
+        memory_mb: address-space limit per process of a block, and with a cgroup of all its
+            processes together, MiB; 0 = none.
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
@@ -358,21 +448,22 @@ class Sandbox(contextlib.AbstractContextManager):
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
-        self._proc, self._closed, self._running, self._generation = None, False, set(), 0
+        # self._cgroups: cgroups free for the next block (lists of directories, see _make_cgroup)
+        self._proc, self._closed, self._running, self._generation, self._cgroups = None, False, set(), 0, []
         # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
         self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = (f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        boot = (f"import sys\nsys.path[0] = {os.path.dirname(os.path.abspath(__file__))!r}\n"
                 f"import executor\nsys.path.pop(0)\n"
                 f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
         try:
-            self._proc = subprocess.Popen([self.python, "-I", "-c", boot], pass_fds=[theirs.fileno()], env=env,
+            self._proc = subprocess.Popen([self.python, "-E", "-s", "-c", boot], pass_fds=[theirs.fileno()], env=env,
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
@@ -405,6 +496,7 @@ class Sandbox(contextlib.AbstractContextManager):
         with self._lock:
             self._closed = True
             self._stop()
+            _remove_cgroup([d for group in self._cgroups for d in group])
 
     def __exit__(self, *exc):
         self.close()
@@ -455,77 +547,120 @@ class Sandbox(contextlib.AbstractContextManager):
             return list(pool.map(self.run, codes))
 
     def _run(self, code, prior, stateful) -> ExecResult:
-        """Run one block: 1) send its request to the template; 2) read its output until it
-        has ended (its own report, or its exit) and every writer closed the output (at most
-        0.2 s more: processes it left running die with its namespace, or, not contained,
-        with its group), stopping it at its deadline or as a fork bomb; 3) describe the end.
-        An OSError out of it (ConnectionError when the template stops answering) means the
-        template is gone: `run` restarts it."""
+        """Run one block: 1) send its request to the template; 2) read its output until the
+        template reports its exit and every writer closed the output (at most 0.2 s more:
+        processes it left running die with its namespace, or, not contained, with its
+        group), stopping it at its deadline or as a fork bomb; 3) describe the end. What
+        the caller trusts (pid, exit status, setup failure) comes on a socket only the
+        template holds; the block's own report pipe can only pick among descriptions of
+        its own end. An OSError out of it (ConnectionError when the template stops
+        answering) means the template is gone: `run` restarts it."""
         t0 = time.monotonic()
-        cwd = "/tmp/thinc_block" if self.contained else tempfile.mkdtemp(prefix="thinc_block_")
+        cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        out_r, out_w = os.pipe()
+        (out_r, out_w), (rep_r, rep_w) = os.pipe(), os.pipe()  # its output; its own report (see _describe)
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
             "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
             "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
+        with self._lock:  # (another thread may take the last free one)
+            group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
+        procs = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group]
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, out_open, stop, count_at, drain_end = {}, True, None, 0.0, math.inf  # drain_end < inf: it ended
+        info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             try:
-                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w])
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w, *procs])
             finally:  # the template holds its own copies now (or never will)
-                os.close(req)
-                os.close(out_w)
+                for fd in (req, out_w, rep_w, *procs):
+                    os.close(fd)
                 theirs.close()
-            while drain_end == math.inf or (out_open and time.monotonic() < drain_end):
+            while drain_end == math.inf or (out_r in reading and time.monotonic() < drain_end):
                 now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
-                counting = self.contained and "started" in info and stop is None
+                counting = self.contained and "ready" in info and pid is not None and stop is None
                 if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
-                        if sum(d.isdigit() for d in os.listdir(f"/proc/{pid}/root/proc")) > MAX_BLOCK_PROCS:
+                        root = f"/proc/{pid}/root/proc"  # (threads count: they cost as much)
+                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in os.listdir(root) if d.isdigit())
+                        if tasks > MAX_BLOCK_PROCS:
                             stop, deadline = "bomb", now
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
                 wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
-                ready, _, _ = select.select([out_r] * out_open + [sock] * (not ended), [], [],
-                                            max(0.0, wake - time.monotonic()))
+                ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
                 if out_r in ready:
                     data = os.read(out_r, 1 << 16)
                     output.add(data)
-                    out_open = bool(data)
+                    if not data:
+                        reading.remove(out_r)
+                if rep_r in ready:  # untrusted: b"s" as it starts, then how it ended (see _describe)
+                    data = os.read(rep_r, 64)
+                    if not report and data and stop is None:  # its own time limit starts now
+                        deadline = time.monotonic() + self.timeout
+                    report += data
+                    if not data or len(report) > 64:
+                        reading.remove(rep_r)
                 if sock in ready:
                     if not (msg := sock.recv(4096)):
                         raise ConnectionError("the template stopped answering")
-                    msg = json.loads(msg)
-                    if "started" in msg and stop is None:  # its own time limit starts now
-                        deadline = time.monotonic() + self.timeout
-                    if "pid" in msg:
-                        self._running.add(msg["pid"])
-                    if "exit" in msg or "code" in msg:
+                    info.update(json.loads(msg))  # from the template: no block process holds this socket
+                    if "error" in info:
+                        raise SandboxError(f"sandbox could not start a block: {info['error']}")
+                    if "pid" in info:
+                        self._running.add(info["pid"])
+                    if "exit" in info and not ended:
                         drain_end = time.monotonic() + 0.2
                         if not self.contained:  # what is left of its group
                             _signal(pid, signal.SIGKILL)
-                    info.update(msg)
         finally:
             self._running.discard(info.get("pid"))
             sock.close()
             os.close(out_r)
-            if not self.contained:
-                shutil.rmtree(cwd, ignore_errors=True)
-        if output.head.startswith(b"\0sandbox: "):
-            raise SandboxError(f"sandbox could not start a block: {output.head[10:].decode(errors='replace')}")
-        status, note = _describe(info, stop, self.timeout)
+            os.close(rep_r)
+            (_remove_cgroup if self._closed else self._cgroups.append)(group)
+            if not self.contained:  # (its directory and the block's file beside it)
+                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
+        status, note = _describe(info["exit"], report, stop, self.timeout)
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
 def _signal(pid, sig):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def _make_cgroup(memory_mb) -> list:
+    """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
+    under the caller's own: limits that count every task (threads too) and page (memfds,
+    page cache, kernel memory) of a block. [] where the caller may not make one."""
+    dirs = []
+    with open("/proc/self/cgroup") as f:
+        for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
+            d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
+            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
+                continue  # (another controller, or no cgroup file system there)
+            try:
+                os.mkdir(d)
+                for name, none in _CGROUP_LIMITS[ctrls].items():  # (pids: a hard stop, should a bomb outrun the count)
+                    with open(f"{d}/{name}", "w") as limit:
+                        limit.write(str(2 * MAX_BLOCK_PROCS if name == "pids.max" else memory_mb << 20 or none))
+                dirs.append(d)
+            except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
+                _remove_cgroup([d])
+    return dirs
+
+
+def _remove_cgroup(dirs):
+    for d in dirs:
+        end = time.monotonic() + 2  # (the last processes of its namespace take a few ms to go)
+        while os.path.exists(d) and time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+            time.sleep(0.001)
 
 
 def _user_processes() -> int:
@@ -551,27 +686,28 @@ class _HeadTail:
             del self.tail[:-self.half]
 
 
-def _describe(info, stop, timeout):
+def _describe(wait_status, report, stop, timeout):
     """(status, note): how the block ended, and a last line that says so in words a model
-    can act on ('' for a normal end). info: its messages (exit: its wait status; code and
-    error: its Python exit code and exception name, when it ended through Python)."""
+    can act on ('' for a normal end). wait_status: its main process's, from the template.
+    report: what came on its report pipe, b"s" as it started, then, when it ended through
+    Python, b"-" or the name of the exception that ended it. The block can write there
+    too, so the report only picks among the descriptions of its exit status."""
     if stop == "bomb":
         return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
     if stop == "timeout":
         return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
-    if "code" in info and info["error"] == "MemoryError":
-        return "memory", "(The block hit its memory limit.)"
-    if "code" in info:
-        note = f"[sys.exit({info['code']}) called: the program stopped here]" if info["error"] == "SystemExit" else ""
-        return ("ok" if info["code"] == 0 else "error"), note
-    sig = os.WTERMSIG(info["exit"]) if os.WIFSIGNALED(info["exit"]) else None
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
         return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
                 signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
             sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
-    code = os.WEXITSTATUS(info["exit"])
-    return ("ok" if code == 0 else "error"), f"[os._exit({code}) called: the program stopped here]"
+    code, error = os.WEXITSTATUS(wait_status), report[1:]
+    if error == b"MemoryError" and code:
+        return "memory", "(The block hit its memory limit.)"
+    note = (f"[sys.exit({code}) called: the program stopped here]" if error == b"SystemExit" else
+            "" if error else f"[os._exit({code}) called: the program stopped here]")
+    return ("ok" if code == 0 else "error"), note
 
 
 def _join_output(output, note, max_chars):
@@ -1671,7 +1807,9 @@ def sample_record(problem: dict, sample) -> dict:
 def format_trajectory(record: dict, width: int = 80) -> str:
     """A sample row (`sample_record`'s fields; `reward` if present) as text to read: the
     problem, the plan, each executed block with its status and output, what the model
-    wrote after its last output (the answer), and the verdict."""
+    wrote after its last output (the answer), and the verdict. Control characters other
+    than newline and tab (ESC, NUL, CR, C1, ...: a block's output could drive the terminal
+    it is printed on) are shown escaped, as Python writes them (`\x1b`)."""
     comp, blocks = record["completion"], record.get("blocks") or []
     plan = comp.split("```", 1)[0]
     tail = comp[len(plan):]  # no block ran: all after the plan (an unrun block, a prose answer)
@@ -1687,7 +1825,7 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     lines.append(f"answer {record.get('pred')!r} vs reference {record['answer']!r}: {verdict}{reward}; "
                  f"{len(blocks)} blocks, {record.get('model_tokens', '?')} model tokens, "
                  f"finish {record.get('finish_reason')}")
-    return "\n".join(lines)
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: ascii(m.group())[1:-1], "\n".join(lines))
 
 
 # -----------------------------------------------------------------------------
