@@ -422,9 +422,11 @@ def budget_warning(metrics) -> str | None:
 def solved_ids(path: str) -> set:
     """Ids whose latest record in a pass-rate JSONL was solved n / n."""
     latest = {}
-    for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
-        if not {"id", "n", "correct"} <= set(r):
-            raise executor.InputError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
+    for i, r in executor.read_jsonl(path, torn_tail_ok=True):
+        for k in ("id", "n", "correct"):  # (a bool or "2" is no count)
+            if k not in r or k != "id" and type(r[k]) is not int:
+                raise executor.InputError(f"{path}:{i}: field '{k}': missing or not an integer ({r.get(k)!r}); "
+                                          "a pass-rate record has id, n, correct")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 
@@ -560,10 +562,9 @@ def main(argv=None, reward_fn=None):
     `answer_reward` when called from Python (tests)."""
     args = parse_args(argv)
     rank, _, world, device = sft.setup_distributed(args.seed)
-    args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
-    if args.resume:  # one interpreter policy per run: its rollouts and prompt never mix
-        executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",),
-                                 f"the rollouts of {args.resume}")
+    # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
+    args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
+    executor.check_rows("--prompts-per-step x --group-size", args.prompts_per_step * args.group_size)
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
@@ -577,9 +578,8 @@ def main(argv=None, reward_fn=None):
         sft.print0(f"--drop-solved: dropping {sum(p['id'] in solved for p in problems)} of {len(problems)} "
                    f"prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
+        if not problems:
+            raise executor.InputError(f"--drop-solved {args.drop_solved}: every problem of {args.data} was solved")
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
@@ -591,6 +591,9 @@ def main(argv=None, reward_fn=None):
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
+    if rank == 0:  # every check passed: the run's first write
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
     stream = PromptStream(problems, args.seed, rank, world)
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
@@ -645,8 +648,8 @@ def main(argv=None, reward_fn=None):
             if args.save_every and step % args.save_every == 0 or step == args.steps:
                 say(f"step {step}: writing checkpoint {latest} ...")
                 t0 = time.perf_counter()
-                sft.save_checkpoint(latest, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
-                                    optimizer if args.save_optimizer else None)
+                sft.save_checkpoint(latest, model, tokenizer, {"stage": "grpo", **vars(args)},
+                                    {"step": step, "data": stream.state_dict()}, optimizer if args.save_optimizer else None)
                 say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(latest):.1f} GB)")
     bar.close()
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
