@@ -157,11 +157,11 @@ def parse_args(argv=None):
     p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")
     # sampling (paper: 1 sample per problem)
-    p.add_argument("--samples-per-problem", type=ex.positive_int, default=1, help="trajectories per problem")
+    p.add_argument("--samples-per-problem", type=ex.size_int, default=1, help="trajectories per problem")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="0 = off")
-    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed; a batch's seed also depends on its first problem")
+    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed; a batch's also depends on its first problem")
     p.add_argument("--batch-size", type=ex.positive_int, default=8, help="problems per rollout call, per rank")
     # budgets
     p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens, 3-shot prompt + completion")
@@ -188,10 +188,9 @@ def main(argv=None):
     out, stem = args.out, args.out.removesuffix(".jsonl")
     rejected_path, args_path = f"{stem}.rejected.jsonl", f"{stem}.args.json"
     if not out.endswith(".jsonl") or os.path.exists(out) and not os.path.isfile(out):  # '', a folder, /dev/null
-        raise ex.InputError(f"--out {out or repr(out)}: {'a folder, not' if os.path.isdir(out) else 'not'} a .jsonl file")
+        raise ex.InputError(f"--out {out or repr(out)}: not a .jsonl file{' (a folder)' if os.path.isdir(out) else ''}")
     outputs = (out, rejected_path, args_path, f"{stem}.summary.json")
     ex.check_out(os.path.dirname(os.path.abspath(out)), "distill", (args.data, args.exemplars), outputs)
-    ex.check_rows("--batch-size x --samples-per-problem", args.batch_size * args.samples_per_problem)
     if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue: this stage's own
         if not os.path.exists(args_path):
             raise ex.InputError(f"--out {out}: not written by distill.py (no {args_path}): give another --out")

@@ -369,7 +369,7 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")
     # sampling (paper defaults)
-    p.add_argument("--k", type=ex.positive_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
+    p.add_argument("--k", type=ex.size_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="top-k filter; 0 = off")
@@ -578,7 +578,6 @@ def run(args) -> None:
     #    reads while this one writes cannot change its decisions)
     outputs = [os.path.join(args.out, f) for f in ("args.json", "samples.jsonl", "metrics.json", "metrics.md")]
     ex.check_out(args.out, "evaluate", [args.model, *args.data], outputs)
-    ex.check_rows("--batch-size x --k (a wave)", args.batch_size * args.k)
     benches = read_benchmarks(args.data, args.limit)
     waves = make_waves(benches, args.batch_size, args.k, args.seed)
     done = merged_samples(args.out)

@@ -1343,7 +1343,9 @@ def bounded(kind, low, high=math.inf, low_open=False):
 
 
 positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
-seed_int = bounded(int, 0, 2**31 - 1)  # numpy seeds are below 2^32, and rank r adds r
+# seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
+# paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
+seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
 positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
 unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
 
@@ -1358,12 +1360,11 @@ def input_file(path: str) -> str:
 def model_path(path: str) -> str:
     """An argparse type: a model folder (with its config.json), a .gguf file, or a packaged
     model's name."""
-    if path not in PACKAGED_MODELS and not os.path.exists(path):
-        raise argparse.ArgumentTypeError(f"{path}: no such model folder or file, nor a packaged model "
-                                         f"({', '.join(PACKAGED_MODELS)})")
     if path not in PACKAGED_MODELS and not (os.path.isfile(os.path.join(path, "config.json")) or
                                             os.path.isfile(path) and path.endswith(".gguf")):
-        raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)")
+        raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)" if
+                                         os.path.exists(path) else f"{path}: no such model folder or file, nor a "
+                                         f"packaged model ({', '.join(PACKAGED_MODELS)})")
     return path
 
 
@@ -1393,8 +1394,7 @@ def cli(main, argv=None, interrupted=None) -> int:
         code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
     except Exception as e:  # a full disk is an OSError, or a library's own error that says so
         # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
-        full = getattr(e, "errno", None) == errno.ENOSPC or re.search(
-            "No space left|unexpected pos|iostream error|file write failed", str(e))
+        full = getattr(e, "errno", None) == errno.ENOSPC or re.search("No space|unexpected pos|iostream|write fail", f"{e}")
         if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
             raise
         code, message = (1, "error: no space left on device") if full else (
@@ -1419,10 +1419,8 @@ def command_line(*extra: str) -> str:
 def read_json(path: str) -> dict:
     """A JSON object file (a run's args.json; a UTF-8 BOM is allowed). Raises OSError if it
     cannot be read, InputError naming it if it is not a JSON object (a corrupt file)."""
-    with open(path, "rb") as f:
-        text = f.read()
-    with contextlib.suppress(ValueError):
-        if isinstance(obj := json.loads(text.decode("utf-8-sig")), dict):
+    with open(path, "rb") as f, contextlib.suppress(ValueError):
+        if isinstance(obj := json.loads(f.read().decode("utf-8-sig")), dict):
             return obj
     raise InputError(f"{path}: not a JSON object (a damaged file?): repair or delete it, or give another folder")
 
@@ -1439,10 +1437,8 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     stage's run (a `*args.json` naming another "stage": each stage saves {"stage", **args}
     there); an `outputs` path (the files the run writes) that is one of the `inputs` (the
     files it reads; None entries are skipped)."""
-    if not folder:
-        raise InputError("--out '': give a folder")
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise InputError(f"--out {folder}: a file, not a folder")
+    if not folder or os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(f"--out {folder}: a file, not a folder" if folder else "--out '': give a folder")
     runs = {path: read_json(path) for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json")))}
     model = [m for pat in MODEL_FILES for m in glob.glob(os.path.join(glob.escape(folder), pat))]
     if model := sorted(model) + [path for path, saved in runs.items() if saved.get("checkpoint")]:
@@ -1450,10 +1446,8 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     for path, saved in runs.items():
         if saved.get("stage", stage) != stage:
             raise InputError(f"--out {folder} holds a run of {saved['stage']}.py ({path}): give another --out")
-    for path in outputs:
-        if same := [i for i in inputs if i and os.path.realpath(i) == os.path.realpath(path)]:
-            raise InputError(f"--out {folder}: the run would write {path}, which is its input {same[0]}: "
-                             "give another --out")
+    if same := [(o, i) for o in outputs for i in inputs if i and os.path.realpath(i) == os.path.realpath(o)]:
+        raise InputError(f"--out {folder}: the run would write {same[0][0]}, which is its input: give another --out")
 
 
 def check_same_args(path: str, args, names, what: str) -> None:
@@ -1468,16 +1462,6 @@ def check_same_args(path: str, args, names, what: str) -> None:
                              f"has {getattr(args, name)!r}: rerun with the same, or use another --out")
 
 
-def check_rows(what: str, n: int) -> None:
-    """Refuse a run that would hold more than MAX_ROWS sequences at once (`what` names the
-    flags whose product is `n`): they cannot all fit, and building them would only stall."""
-    if n > MAX_ROWS:
-        raise InputError(f"{what} = {n:,} sequences at once: more than {MAX_ROWS:,} can be held; lower them")
-
-
-MAX_ROWS = 2**16  # sequences a rollout call or a GRPO step holds (the paper's step: 1,024)
-
-
 def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
     """Yield (line number, object) for each non-blank line of a JSONL file (`json_kw` go to
     json.loads). With `torn_tail_ok`, a last line without its newline (a write cut by a
@@ -1490,20 +1474,17 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
             continue
         try:
             row = json.loads(raw.decode("utf-8-sig"), **json_kw)  # (a BOM is allowed, as python and json allow it)
-        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer over the int-str limit
+            json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit
             if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
                 return
-            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({getattr(e, 'msg', e)})"
+            what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+                f"not valid JSON ({getattr(e, 'msg', e)})"
             if "int_max_str_digits" in str(e):
                 what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
             raise InputError(f"{path}:{lineno}: {what}") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        for key, value in row.items():  # a lone surrogate escape ("\ud800") is no text a tokenizer takes
-            with contextlib.suppress(UnicodeEncodeError):
-                json.dumps(value, ensure_ascii=False).encode("utf-8")
-                continue
-            raise InputError(f"{path}:{lineno}: field '{key}': a lone surrogate escape (\\udXXX), not Unicode text")
         yield lineno, row
 
 

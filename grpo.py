@@ -423,10 +423,9 @@ def solved_ids(path: str) -> set:
     """Ids whose latest record in a pass-rate JSONL was solved n / n."""
     latest = {}
     for i, r in executor.read_jsonl(path, torn_tail_ok=True):
-        for k in ("id", "n", "correct"):  # (a bool or "2" is no count)
-            if k not in r or k != "id" and type(r[k]) is not int:
-                raise executor.InputError(f"{path}:{i}: field '{k}': missing or not an integer ({r.get(k)!r}); "
-                                          "a pass-rate record has id, n, correct")
+        # ("n": "2" or true is no count)
+        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int):
+            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n and correct): {r}")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 
@@ -528,7 +527,7 @@ def parse_args(argv=None):
     p.add_argument("--drop-solved", type=executor.input_file, help="pass-rate JSONL: drop prompts last solved G/G")
     # GRPO
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
-    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts a step, all ranks")
+    p.add_argument("--prompts-per-step", type=executor.size_int, default=128, help="prompts a step, all ranks")
     p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
@@ -564,7 +563,6 @@ def main(argv=None, reward_fn=None):
     rank, _, world, device = sft.setup_distributed(args.seed)
     # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
     args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
-    executor.check_rows("--prompts-per-step x --group-size", args.prompts_per_step * args.group_size)
     d = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
@@ -649,7 +647,8 @@ def main(argv=None, reward_fn=None):
                 say(f"step {step}: writing checkpoint {latest} ...")
                 t0 = time.perf_counter()
                 sft.save_checkpoint(latest, model, tokenizer, {"stage": "grpo", **vars(args)},
-                                    {"step": step, "data": stream.state_dict()}, optimizer if args.save_optimizer else None)
+                                    {"step": step, "data": stream.state_dict()},
+                                    optimizer if args.save_optimizer else None)
                 say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(latest):.1f} GB)")
     bar.close()
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))

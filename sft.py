@@ -750,7 +750,6 @@ def main(argv=None):
     # 2) optimizer, schedule, resume
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
-    data_id = {"seed": args.seed, "n_examples": len(examples), "global_batch": args.global_batch}
     step = 0
     if args.resume:
         st = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])
@@ -761,7 +760,7 @@ def main(argv=None):
             group["lr"] = args.lr * cosine_schedule(step, total, warmup, args.min_lr_ratio)
 
     def save(name):
-        state = {"step": step, "scheduler": sched.state_dict(), "data": data_id}
+        state = {"step": step, "scheduler": sched.state_dict()}
         save_checkpoint(os.path.join(args.out, name), model, tokenizer, {"stage": "sft", **vars(args)}, state, opt)
 
     # 3) the loop: one optimizer step per global batch
