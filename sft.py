@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, hashlib, math, os, random, shutil, sys, time
+import contextlib, glob, hashlib, math, os, pathlib, random, shutil, sys, time
 
 import numpy as np
 import torch
@@ -710,8 +710,8 @@ RESUME_SAME = ("data_sha256", "max_len", "mask_outputs", "stateful", "global_bat
 
 def main(argv=None):
     args = parse_args(argv)
-    with open(args.data, "rb") as f:  # the trajectories' identity: another file of the same size is another run
-        args.data_sha256 = hashlib.sha256(f.read()).hexdigest()[:16]
+    # the trajectories' identity: another file of the same size is another run
+    args.data_sha256 = hashlib.sha256(pathlib.Path(args.data).read_bytes()).hexdigest()[:16]
     rank, _, world, device = setup_distributed(args.seed)
     args.resume = check_run_dirs("sft.py", args, ("log.jsonl", "final"), RESUME_SAME)
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
