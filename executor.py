@@ -1394,7 +1394,8 @@ def cli(main, argv=None, interrupted=None) -> int:
         code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
     except Exception as e:  # a full disk is an OSError, or a library's own error that says so
         # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
-        full = getattr(e, "errno", None) == errno.ENOSPC or re.search("No space|unexpected pos|iostream|write fail", f"{e}")
+        full = getattr(e, "errno", None) == errno.ENOSPC or \
+            re.search("No space left|unexpected pos|iostream error|file write failed", str(e))
         if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
             raise
         code, message = (1, "error: no space left on device") if full else (
