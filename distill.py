@@ -69,6 +69,8 @@ def load_exemplars(path: str) -> list:
     """Read and check the few-shot exemplars: InputError naming the file and the exemplar
     unless each parses as plan / blocks / answer."""
     rows = ex.read_jsonl_tolerant(path)
+    if not rows:
+        raise ex.InputError(f"{path}: no exemplars in the file (the teacher's prompt is few-shot)")
     for r in rows:
         split_completion(str(r.get("completion", "")), where=f"{path}: exemplar {r.get('id')!r}: ")
     return rows
@@ -148,11 +150,11 @@ def parse_args(argv=None):
     p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")
     # sampling (paper: 1 sample per problem)
-    p.add_argument("--samples-per-problem", type=ex.positive_int, default=1, help="trajectories per problem")
+    p.add_argument("--samples-per-problem", type=ex.size_int, default=1, help="trajectories per problem")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0, help="base seed; a batch's seed also depends on its first problem")
+    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed; a batch's also depends on its first problem")
     p.add_argument("--batch-size", type=ex.positive_int, default=8, help="problems per rollout call, per rank")
     # budgets
     p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens, 3-shot prompt + completion")
@@ -178,10 +180,13 @@ def main(argv=None):
     args = parse_args(argv)
     out, stem = args.out, args.out.removesuffix(".jsonl")
     rejected_path, args_path = f"{stem}.rejected.jsonl", f"{stem}.args.json"
-    if os.path.isdir(out):
-        raise ex.InputError(f"--out {out}: a folder, not a .jsonl file")
-    ex.check_out(os.path.dirname(os.path.abspath(out)), "distill")
-    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue
+    if not out.endswith(".jsonl") or os.path.exists(out) and not os.path.isfile(out):  # '', a folder, /dev/null
+        raise ex.InputError(f"--out {out or repr(out)}: not a .jsonl file{' (a folder)' if os.path.isdir(out) else ''}")
+    outputs = (out, rejected_path, args_path, f"{stem}.summary.json")
+    ex.check_out(os.path.dirname(os.path.abspath(out)), "distill", (args.data, args.exemplars), outputs)
+    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue: this stage's own
+        if not os.path.exists(args_path):
+            raise ex.InputError(f"--out {out}: not written by distill.py (no {args_path}): give another --out")
         ex.check_same_args(args_path, args, RUN_ARGS, f"the trajectories in {out}")
     # 1) problems and exemplars, read before anything is written (bad input changes no file)
     problems = ex.read_problems(args.data)[:args.limit or None]
@@ -218,6 +223,8 @@ def main(argv=None):
         # --max-context is skipped and counted, never prefilled
         prompt_ids = {i: ex.stage_prompt_ids(tokenizer, p["problem"], args.stateful, exemplars) for i, p in mine}
         mine = [(i, p) for i, p in mine if len(prompt_ids[i]) < args.max_context]
+        if not mine:  # (under torchrun the other ranks stop with this one)
+            raise ex.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
         if len(mine) < len(prompt_ids):
             print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)

@@ -369,14 +369,14 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")
     # sampling (paper defaults)
-    p.add_argument("--k", type=ex.positive_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
+    p.add_argument("--k", type=ex.size_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
     p.add_argument("--temperature", type=ex.nonneg_float, default=0.6, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-p", type=ex.unit_float, default=1.0, help="nucleus mass; 1.0 = off")
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="top-k filter; 0 = off")
     p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens of prompt + completion")
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model-written tokens; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed code blocks per sample")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the waves' rollout seeds (wave_seed)")
+    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed of the waves' rollout seeds (wave_seed)")
     # throughput
     p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
                    "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
@@ -387,7 +387,12 @@ def parse_args(argv=None):
     p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from DIR/samples.jsonl (no model)")
     p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
     p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead: GRPO curves, eval diagnostics")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # --plot reads only its folders, --from-samples only DIR (and --show): any other flag would be ignored
+    used = ("plot",) if args.plot else ("from_samples", "show") if args.from_samples is not None else tuple(vars(args))
+    if ignored := [a for a, v in vars(args).items() if a not in used and v != p.get_default(a)]:
+        p.error(f"--{ignored[0].replace('_', '-')} has no effect with --{used[0].replace('_', '-')}")
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -546,7 +551,10 @@ def plot_run(run_dir: str) -> list:
             rows = read(path)
             if not rows:
                 raise ex.InputError(f"{path}: no {unit}")
-            fig = plot(rows)
+            try:
+                fig = plot(rows)
+            except KeyError as e:  # (samples.jsonl is checked by load_samples; metrics.jsonl is a grpo log)
+                raise ex.InputError(f"{path}: a row without the field {e} (not a grpo.py metrics log?)") from None
             fig.suptitle(f"{what}, {run_dir} ({len(rows)} {unit})", fontsize=11)
             fig.tight_layout()
             written.append(os.path.join(run_dir, png))
@@ -568,7 +576,7 @@ def run(args) -> None:
     #    rank fails the same clean way (all ranks read the same files; a rank only ever
     #    appends to its own file, and only rows of its own waves, so what another rank
     #    reads while this one writes cannot change its decisions)
-    ex.check_out(args.out, "evaluate")
+    ex.check_out(args.out, "evaluate")  # (its own samples.jsonl as --data fails check_resume below)
     benches = read_benchmarks(args.data, args.limit)
     waves = make_waves(benches, args.batch_size, args.k, args.seed)
     done = merged_samples(args.out)

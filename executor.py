@@ -1553,6 +1553,9 @@ def bounded(kind, low, high=math.inf, low_open=False):
 
 
 positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
+# seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
+# paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
+seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
 positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
 unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
 
@@ -1565,10 +1568,13 @@ def input_file(path: str) -> str:
 
 
 def model_path(path: str) -> str:
-    """An argparse type: a model folder or file that exists, or a packaged model's name."""
-    if path not in PACKAGED_MODELS and not os.path.exists(path):
-        raise argparse.ArgumentTypeError(f"{path}: no such model folder or file, nor a packaged model "
-                                         f"({', '.join(PACKAGED_MODELS)})")
+    """An argparse type: a model folder (with its config.json), a .gguf file, or a packaged
+    model's name."""
+    if path not in PACKAGED_MODELS and not (os.path.isfile(os.path.join(path, "config.json")) or
+                                            os.path.isfile(path) and path.endswith(".gguf")):
+        raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)" if
+                                         os.path.exists(path) else f"{path}: no such model folder or file, nor a "
+                                         f"packaged model ({', '.join(PACKAGED_MODELS)})")
     return path
 
 
@@ -1578,6 +1584,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, **kw):
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+        # `--lr -1e-6` is a value (refused by its type), not an unknown flag
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|nan)$", re.I)
 
     def error(self, message):
         raise InputError(message)
@@ -1595,7 +1603,9 @@ def cli(main, argv=None, interrupted=None) -> int:
     except KeyboardInterrupt:
         code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
     except Exception as e:  # a full disk is an OSError, or a library's own error that says so
-        full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
+        full = getattr(e, "errno", None) == errno.ENOSPC or \
+            re.search("No space left|unexpected pos|iostream error|file write failed", str(e))
         if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
             raise
         code, message = (1, "error: no space left on device") if full else (
@@ -1617,28 +1627,49 @@ def command_line(*extra: str) -> str:
     return shlex.join(launch + [sys.argv[0], *argv, *extra])
 
 
-def check_out(folder: str, stage: str) -> None:
-    """Refuse a run folder that is a file or holds another stage's run: a `*args.json` in
-    it naming another "stage" (each stage saves {"stage", **args} there). Raises InputError."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise InputError(f"--out {folder}: a file, not a folder")
-    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json"))):
-        with open(path, encoding="utf-8") as f:
-            other = json.load(f).get("stage", stage)
-        if other != stage:
-            raise InputError(f"--out {folder} holds a run of {other}.py ({path}): give another --out")
+def read_json(path: str) -> dict:
+    """A JSON object file (a run's args.json; a UTF-8 BOM is allowed). Raises OSError if it
+    cannot be read, InputError naming it if it is not a JSON object (a corrupt file)."""
+    with open(path, "rb") as f, contextlib.suppress(ValueError):
+        if isinstance(obj := json.loads(f.read().decode("utf-8-sig")), dict):
+            return obj
+    raise InputError(f"{path}: not a JSON object (a damaged file?): repair or delete it, or give another folder")
+
+
+# what marks a model or checkpoint folder, never a run's --out (save_checkpoint also writes
+# "checkpoint": true into the args.json of every checkpoint folder)
+MODEL_FILES = ("config.json", "*.safetensors", "*.bin", "*.gguf", "trainer_state_rank*.pt")
+
+
+def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
+    """Check a run's --out folder before anything is written. Refuses (InputError, one line):
+    '' ; a path that exists and is not a folder (a file, /dev/null); a model or checkpoint
+    folder (MODEL_FILES, or an args.json marked "checkpoint"); a folder holding another
+    stage's run (a `*args.json` naming another "stage": each stage saves {"stage", **args}
+    there); an `outputs` path (the files the run writes) that is one of the `inputs` (the
+    files it reads; None entries are skipped)."""
+    if not folder or os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(f"--out {folder}: a file, not a folder" if folder else "--out '': give a folder")
+    runs = {path: read_json(path) for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json")))}
+    model = [m for pat in MODEL_FILES for m in glob.glob(os.path.join(glob.escape(folder), pat))]
+    if model := sorted(model) + [path for path, saved in runs.items() if saved.get("checkpoint")]:
+        raise InputError(f"--out {folder} is a model or checkpoint folder ({model[0]}): give another --out")
+    for path, saved in runs.items():
+        if saved.get("stage", stage) != stage:
+            raise InputError(f"--out {folder} holds a run of {saved['stage']}.py ({path}): give another --out")
+    if same := [(o, i) for o in outputs for i in inputs if i and os.path.realpath(i) == os.path.realpath(o)]:
+        raise InputError(f"--out {folder}: the run would write {same[0][0]}, which is its input: give another --out")
 
 
 def check_same_args(path: str, args, names, what: str) -> None:
     """Refuse to add to a run whose arguments (saved in `path`, if it exists) differ from
-    this run's in any of `names`: InputError naming the first differing flag."""
-    saved = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+    this run's in any of `names`: InputError naming the first differing flag (a name
+    `<flag>_sha256` holds a file's hash)."""
+    saved = read_json(path) if os.path.exists(path) else {}
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
-            raise InputError(f"{path}: {what} were made with --{name.replace('_', '-')} {saved[name]!r}, this run "
+            flag = "--" + name.replace("_sha256", " (sha256 of the file)").replace("_", "-")
+            raise InputError(f"{path}: {what} were made with {flag} {saved[name]!r}, this run "
                              f"has {getattr(args, name)!r}: rerun with the same, or use another --out")
 
 
@@ -1653,11 +1684,15 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw.decode("utf-8"), **json_kw)
-        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer over the int-str limit
+            row = json.loads(raw.decode("utf-8-sig"), **json_kw)  # (a BOM is allowed, as python and json allow it)
+            json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit
             if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
                 return
-            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({getattr(e, 'msg', e)})"
+            what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+                f"not valid JSON ({getattr(e, 'msg', e)})"
+            if "int_max_str_digits" in str(e):
+                what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
             raise InputError(f"{path}:{lineno}: {what}") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
@@ -2129,7 +2164,7 @@ def main(argv=None):
     for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
         try:
             with open(path, "rb") as f:
-                codes.append(f.read().decode("utf-8"))
+                codes.append(f.read().decode("utf-8-sig"))  # a BOM, as python itself allows
         except UnicodeDecodeError as e:
             raise InputError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         if "\0" in codes[-1]:

@@ -471,9 +471,10 @@ def budget_warning(metrics) -> str | None:
 def solved_ids(path: str) -> set:
     """Ids whose latest record in a pass-rate JSONL was solved n / n."""
     latest = {}
-    for i, r in enumerate(executor.read_jsonl_tolerant(path), 1):
-        if not {"id", "n", "correct"} <= set(r):
-            raise executor.InputError(f"{path}: record {i} is not a pass-rate record (id, n, correct)")
+    for i, r in executor.read_jsonl(path, torn_tail_ok=True):
+        # ("n": "2" or true is no count)
+        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int):
+            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n and correct): {r}")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 
@@ -574,7 +575,7 @@ def parse_args(argv=None):
     p.add_argument("--drop-solved", type=executor.input_file, help="pass-rate JSONL: drop prompts last solved G/G")
     # GRPO
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
-    p.add_argument("--prompts-per-step", type=executor.positive_int, default=128, help="prompts a step, all ranks")
+    p.add_argument("--prompts-per-step", type=executor.size_int, default=128, help="prompts a step, all ranks")
     p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
@@ -610,10 +611,8 @@ def main(argv=None, reward_fn=None):
     args = parse_args(argv)
     reward_fn = reward_fn or (load_reward(args.reward) if args.reward else answer_reward)
     rank, _, world, device = sft.setup_distributed(args.seed)
-    args.resume = sft.check_run_dirs("grpo.py", args.out, args.resume, ("metrics.jsonl", "latest"))
-    if args.resume:  # one interpreter policy per run: its rollouts and prompt never mix
-        executor.check_same_args(os.path.join(args.resume, "args.json"), args, ("stateful",),
-                                 f"the rollouts of {args.resume}")
+    # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
+    args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
     proc = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
@@ -629,9 +628,8 @@ def main(argv=None, reward_fn=None):
         sft.print0(f"--drop-solved: dropping {sum(p['id'] in solved for p in problems)} of {len(problems)} "
                    f"prompts solved G/G in {args.drop_solved}")
         problems = [p for p in problems if p["id"] not in solved]
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
+        if not problems:
+            raise executor.InputError(f"--drop-solved {args.drop_solved}: every problem of {args.data} was solved")
 
     # 2) model: fp32 master weights (bf16 autocast on CUDA), a rollout copy, AdamW
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
@@ -644,6 +642,9 @@ def main(argv=None, reward_fn=None):
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
+    if rank == 0:  # every check passed: the run's first write
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
     stream = PromptStream(problems, args.seed, rank, world)
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
@@ -686,7 +687,8 @@ def main(argv=None, reward_fn=None):
             if args.save_every and step % args.save_every == 0 or step == args.steps:
                 say(f"step {step}: writing checkpoint {latest} ...")
                 t0 = time.perf_counter()
-                sft.save_checkpoint(latest, model, tokenizer, vars(args), {"step": step, "data": stream.state_dict()},
+                sft.save_checkpoint(latest, model, tokenizer, {"stage": "grpo", **vars(args)},
+                                    {"step": step, "data": stream.state_dict()},
                                     optimizer if args.save_optimizer else None)
                 say(f"step {step}: checkpoint written in {time.perf_counter() - t0:.0f} s ({dir_gb(latest):.1f} GB)")
     bar.close()

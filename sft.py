@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, math, os, random, shutil, sys, time
+import contextlib, glob, hashlib, math, os, pathlib, random, shutil, sys, time
 
 import numpy as np
 import torch
@@ -499,7 +499,7 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
                 vars(lm.config).pop("quantization_config", None)
             lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            executor.write_json_atomic(os.path.join(tmp, "args.json"), args)
+            executor.write_json_atomic(os.path.join(tmp, "args.json"), {**args, "checkpoint": True})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -520,25 +520,35 @@ def newest_checkpoint(out: str) -> str | None:
     return os.path.dirname(max(found, key=os.path.getmtime)) if found else None
 
 
-def check_run_dirs(prog: str, out: str, resume: str | None, run_files: tuple) -> str | None:
-    """Check --out and --resume before a run writes anything. Returns the checkpoint to
-    resume from, or None. A crash between save_checkpoint's two renames leaves the last
-    checkpoint as `<dir>.old`: that one is used then.
+def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str | None:
+    """Check --out and --resume (of `args`) before a run loads or writes anything. Returns
+    the checkpoint to resume from, or None. A crash between save_checkpoint's two renames
+    leaves the last checkpoint as `<dir>.old`: that one is used then.
 
     Raises:
-        InputError (one line naming the path): --out is a file or holds another stage's run,
-            --resume is not a checkpoint directory, or --out already holds a run (one of
-            `run_files`) and no --resume was given: a fresh run there would overwrite its
-            checkpoints and repeat its steps in the logs (the message names the newest
-            checkpoint to resume from).
+        InputError (one line naming the path): --out fails `executor.check_out` (its inputs:
+            --model, --data, --drop-solved); --resume is not a checkpoint of this stage
+            (no trainer state, or another stage's), or its args.json differs in one of
+            `same` (what decides the run's data and loss); or --out already holds a run
+            (one of `run_files`) and no --resume was given: a fresh run there would
+            overwrite its checkpoints and repeat its steps in the logs (the message names
+            the newest checkpoint to resume from).
     """
-    executor.check_out(out, prog.removesuffix(".py"))
+    out, resume, stage = args.out, args.resume, prog.removesuffix(".py")
+    executor.check_out(out, stage, (args.model, args.data, getattr(args, "drop_solved", None)),
+                       [os.path.join(out, f) for f in ("args.json", *run_files)])
     if resume:
         if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
             print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
             resume = resume.rstrip("/") + ".old"
-        if not os.path.isfile(os.path.join(resume, "config.json")):
-            raise executor.InputError(f"--resume {resume}: not a checkpoint directory (no config.json)")
+        if not os.path.isfile(os.path.join(resume, "trainer_state_rank0.pt")):
+            raise executor.InputError(f"--resume {resume}: not a checkpoint directory (no trainer_state_rank0.pt; "
+                                      "start from a model with --model)")
+        saved = executor.read_json(os.path.join(resume, "args.json"))
+        if (other := saved.get("stage", "grpo" if "group_size" in saved else "sft")) != stage:
+            raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
+                                      f"its weights with --model {resume}")
+        executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
@@ -672,7 +682,7 @@ def add_training_args(p):
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
     # system
-    p.add_argument("--seed", type=int, default=0, help="data order and RNG seed (rank r uses seed + r)")
+    p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
@@ -685,10 +695,17 @@ def add_training_args(p):
 # Training loop
 
 
+# what decides an SFT run's data order and loss: a resume with other values is refused (the
+# budgets and the lr may change; they apply from the resumed step)
+RESUME_SAME = ("data_sha256", "max_len", "mask_outputs", "stateful", "global_batch", "seed")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    # the trajectories' identity: another file of the same size is another run
+    args.data_sha256 = hashlib.sha256(pathlib.Path(args.data).read_bytes()).hexdigest()[:16]
     rank, _, world, device = setup_distributed(args.seed)
-    args.resume = check_run_dirs("sft.py", args.out, args.resume, ("log.jsonl", "final"))
+    args.resume = check_run_dirs("sft.py", args, ("log.jsonl", "final"), RESUME_SAME)
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
     accum, rest = divmod(args.global_batch, args.micro_batch * world)
     if rest:
@@ -696,12 +713,11 @@ def main(argv=None):
                                   f"{args.micro_batch} x {world} ranks")
     print0(f"global batch {args.global_batch} = micro-batch {args.micro_batch} x accumulation {accum} x {world} ranks")
     rows = list(read_trajectories(args.data))  # bad rows end the run before the model loads
+    if not rows:
+        raise executor.InputError(f"{args.data}: no trajectories in the file")
     # distill.py's <stem>.args.json, when it is there, says which interpreter policy made the rows
     executor.check_same_args(args.data.removesuffix(".jsonl") + ".args.json", args, ("stateful",),
                              f"the trajectories in {args.data}")
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
 
     # 1) model (fp32 master weights) and data
     lm, tokenizer = executor.load_model(args.resume or args.model, dtype="float32", device="cpu")
@@ -717,25 +733,26 @@ def main(argv=None):
     total = args.max_steps or args.epochs * steps_per_epoch
     warmup = int(args.warmup * total)
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
+    if rank == 0:  # every check passed: the run's first write
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
 
     # 2) optimizer, schedule, resume
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
-    data_id = {"seed": args.seed, "n_examples": len(examples), "global_batch": args.global_batch}
     step = 0
     if args.resume:
         st = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])
-        if st["data"] != data_id:
-            print0(f"warning: data / batch differ from the checkpoint's {st['data']}; order will not continue exactly")
         sched.load_state_dict(st["scheduler"])
-        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # (a ZeRO share holds the lr before the last step)
-            group["lr"] = lr
+        sched.base_lrs = [args.lr] * len(opt.param_groups)  # this --lr applies (the log shows it)
         step = st["step"]
+        for group in opt.param_groups:  # (a ZeRO share holds the lr before the last step)
+            group["lr"] = args.lr * cosine_schedule(step, total, warmup, args.min_lr_ratio)
 
     def save(name):
-        state = {"step": step, "scheduler": sched.state_dict(), "data": data_id}
-        save_checkpoint(os.path.join(args.out, name), model, tokenizer, vars(args), state, opt)
+        state = {"step": step, "scheduler": sched.state_dict()}
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, {"stage": "sft", **vars(args)}, state, opt)
 
     # 3) the loop: one optimizer step per global batch
     bar = executor.progress_bar(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft",

@@ -6,6 +6,7 @@ context budget, Ctrl-C and a full disk."""
 import errno
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -40,22 +41,26 @@ def _tree(root):
 
 
 @pytest.fixture
-def files(tmp_path):
-    """Good and bad inputs in tmp_path/in, a folder of another stage's run, and a plain file."""
+def files(tmp_path, monkeypatch):
+    """Good and bad inputs in tmp_path/in, a folder of another stage's run, and a plain file;
+    the working folder is tmp_path (a stage that wrongly writes beside '' writes there)."""
+    monkeypatch.chdir(tmp_path)
     d = tmp_path / "in"
     d.mkdir()
     good = [json.dumps(r) + "\n" for r in PROBLEMS[:1]]
     f = {"problems": _jsonl(d / "p.jsonl", PROBLEMS), "traj": _jsonl(d / "t.jsonl", TRAJ), "dir": str(d)}
     for name, line in {"notjson": "{oops\n", "noanswer": '{"id": "x", "problem": "?"}\n',
                        "nan": '{"problem": "?", "answer": NaN}\n', "inf": '{"problem": "?", "answer": 1e400}\n',
-                       "hugeint": '{"problem": "?", "answer": %s}\n' % ("7" * 5000)}.items():
+                       "hugeint": '{"problem": "?", "answer": %s}\n' % ("7" * 5000),
+                       "surrogate": '{"problem": "x \\ud800", "answer": "1"}\n'}.items():
         (d / f"{name}.jsonl").write_text(good[0] + line)
         f[name] = str(d / f"{name}.jsonl")
     (d / "latin1.jsonl").write_bytes(good[0].encode() + b'{"problem": "caf\xe9", "answer": "1"}\n')
     f["latin1"] = str(d / "latin1.jsonl")
     good = json.dumps(TRAJ[0]) + "\n"
     for name, line in {"t_notjson": b"{oops\n", "t_latin1": b'{"problem": "caf\xe9", "completion": "1"}\n',
-                       "t_nocomp": b'{"problem": "x"}\n', "t_type": b'{"problem": "x", "completion": 5}\n'}.items():
+                       "t_nocomp": b'{"problem": "x"}\n', "t_type": b'{"problem": "x", "completion": 5}\n',
+                       "t_surrogate": b'{"problem": "x", "completion": "\\udc80"}\n'}.items():
         (d / f"{name}.jsonl").write_bytes(good.encode() + line)
         f[name] = str(d / f"{name}.jsonl")
     for stage in ("sft", "evaluate"):  # folders holding another stage's run
@@ -64,6 +69,20 @@ def files(tmp_path):
         f[f"{stage}_run"] = str(d / f"{stage}_run")
     (d / "plain.txt").write_text("not a folder\n")
     f["plain"] = str(d / "plain.txt")
+    for name, content in {"model_dir": {"config.json": "{}"}, "empty_dir": {},
+                          "marked": {"args.json": '{"stage": "sft", "checkpoint": true}'},
+                          "corrupt_run": {"args.json": '{"stage": "ev'},
+                          "corrupt_ckpt": {"config.json": "{}", "trainer_state_rank0.pt": "", "args.json": "{"}}.items():
+        (d / name).mkdir()
+        for file, text in content.items():
+            (d / name / file).write_text(text)
+        f[name] = str(d / name)
+    (d / "t_empty.jsonl").write_text("")
+    for name in ("notail.jsonl", "n.rejected.jsonl"):  # problems without a final newline
+        (d / name).write_text("\n".join(json.dumps(p) for p in PROBLEMS))
+    f["t_empty"] = str(d / "t_empty.jsonl")
+    f["all_solved"] = _jsonl(d / "solved.jsonl", [{"id": p["id"], "n": 2, "correct": 2} for p in PROBLEMS])
+    f["bad_rate"] = _jsonl(d / "rates.jsonl", [{"id": "q0", "n": "2", "correct": 2}])
     return f
 
 
@@ -86,7 +105,7 @@ PROBLEM_CASES = [
     (["--data", "{noanswer}"], "{noanswer}:2: missing field 'answer'"),
     (["--data", "{nan}"], "{nan}:2: field 'answer': NaN is not a finite number"),
     (["--data", "{inf}"], "{inf}:2: field 'answer': 1e400 is not a finite number"),
-    (["--data", "{hugeint}"], "{hugeint}:2: not valid JSON (Exceeds the limit (4300 digits)"),
+    (["--data", "{hugeint}"], "{hugeint}:2: an integer of more than 4300 digits: write it as a string"),
     (["--data", "{latin1}"], "{latin1}:2: not UTF-8 text"),
     (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
     (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got '1.5'"),
@@ -95,6 +114,27 @@ PROBLEM_CASES = [
     (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, inf), got '-2'"),
     (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
     (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
+    (["--data", "{surrogate}"], "{surrogate}:2: not UTF-8 text (surrogates not allowed)"),
+]
+
+
+def common_cases(model="--model", out=""):
+    """Cases of every stage: seeds numpy refuses, a folder or file that is no model, and
+    --out folders that must not be written (`out`: distill's file name in them)."""
+    seed = "argument --seed: expected an integer in [0, 2147483647], got"
+    return [(["--seed", "-1"], f"{seed} '-1'"), (["--seed", str(2**32)], f"{seed} '4294967296'"),
+            ([model, "{empty_dir}"], f"argument {model}: {{empty_dir}}: not a model (a folder with config.json"),
+            ([model, "{problems}"], f"argument {model}: {{problems}}: not a model (a folder with config.json"),
+            (["--out", "{model_dir}" + out], "--out {model_dir} is a model or checkpoint folder ({model_dir}/config.json)"),
+            (["--out", "{marked}" + out], "--out {marked} is a model or checkpoint folder ({marked}/args.json)"),
+            (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)")]
+
+
+RESUME_CASES = [  # sft and grpo
+    (["--resume", "{model_dir}"], "--resume {model_dir}: not a checkpoint directory (no trainer_state_rank0.pt; "),
+    (["--resume", "{corrupt_ckpt}"], "{corrupt_ckpt}/args.json: not a JSON object"),
+    (["--out", ""], "--out '': give a folder"),
+    (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
 ]
 SAMPLER_CASES = [  # distill and evaluate
     (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
@@ -117,34 +157,44 @@ def _argv(base, case, files):
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
-    (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, inf), got '0'"),
+    (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, 65536], got '0'"),
     (["--max-plan-share", "0"], "argument --max-plan-share: expected a number in (0, 1], got '0'"),
     (["--teacher", "no/such/model"], "argument --teacher: no/such/model: no such model folder or file"),
     (["--exemplars", "{dir}/none.jsonl"], "argument --exemplars: {dir}/none.jsonl: no such file"),
     (["--out", "{sft_run}/traj.jsonl"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
-    (["--out", "{dir}"], "--out {dir}: a folder, not a .jsonl file"),
+    (["--out", "{dir}"], "--out {dir}: not a .jsonl file (a folder)"),
     (["--out", "{plain}/traj.jsonl"], "--out {plain}: a file, not a folder"),
-], ids=lambda c: " ".join(c[0]))
-def test_distill_bad_input(case, files, tmp_path, capsys):
+    (["--out", ""], "--out '': not a .jsonl file"),
+    (["--out", "/dev/null"], "--out /dev/null: not a .jsonl file"),
+    (["--exemplars", "{t_empty}"], "{t_empty}: no exemplars in the file"),
+    (["--samples-per-problem", "100000"], "argument --samples-per-problem: expected an integer in [1, 65536], got"),
+    (["--data", "{dir}/notail.jsonl", "--out", "{dir}/notail.jsonl"], "would write {dir}/notail.jsonl, which is its"),
+    (["--data", "{dir}/n.rejected.jsonl", "--out", "{dir}/n.jsonl"], "would write {dir}/n.rejected.jsonl, which is"),
+    (["--exemplars", "{dir}/notail.jsonl", "--out", "{dir}/notail.jsonl"], "would write {dir}/notail.jsonl, which"),
+] + common_cases("--teacher", "/t.jsonl"), ids=lambda c: " ".join(c[0]))
+def test_distill_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new" / "traj.jsonl")
-    argv, msg = _argv(["--teacher", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    argv, msg = _argv(["--teacher", tiny_dir, "--data", files["problems"], "--out", out], case, files)
     assert msg in _refused(distill, argv, tmp_path, capsys, out)
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
-    (["--k", "0"], "argument --k: expected an integer in [1, inf), got '0'"),
+    (["--k", "0"], "argument --k: expected an integer in [1, 65536], got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
-], ids=lambda c: " ".join(c[0]))
-def test_evaluate_bad_input(case, files, tmp_path, capsys):
+    (["--out", ""], "--out '': give a folder"),
+    (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
+    (["--k", "10000000"], "argument --k: expected an integer in [1, 65536], got '10000000'"),
+] + common_cases(), ids=lambda c: " ".join(c[0]))
+def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
-    argv, msg = _argv(["--model", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    argv, msg = _argv(["--model", tiny_dir, "--data", files["problems"], "--out", out], case, files)
     assert msg in _refused(ev, argv, tmp_path, capsys, out)
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + [
-    (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, inf), got '0'"),
+    (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, 65536], got '0'"),
     (["--rollout-prompts", "-1"], "argument --rollout-prompts: expected an integer in [0, inf), got '-1'"),
     (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
     (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, inf), got '0'"),
@@ -155,10 +205,14 @@ def test_evaluate_bad_input(case, files, tmp_path, capsys):
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
-], ids=lambda c: " ".join(c[0]))
-def test_grpo_bad_input(case, files, tmp_path, capsys):
+    (["--lr", "-1e-6"], "argument --lr: expected a number in (0, inf), got '-1e-6'"),
+    (["--prompts-per-step", "100000000"], "argument --prompts-per-step: expected an integer in [1, 65536], got"),
+    (["--drop-solved", "{all_solved}"], "--drop-solved {all_solved}: every problem of {problems} was solved"),
+    (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n and correct): {{'id'"),
+] + RESUME_CASES + common_cases(), ids=lambda c: " ".join(c[0]))
+def test_grpo_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
-    argv, msg = _argv(["--model", files["dir"], "--data", files["problems"], "--out", out], case, files)
+    argv, msg = _argv(["--model", tiny_dir, "--data", files["problems"], "--out", out], case, files)
     assert msg in _refused(grpo, argv, tmp_path, capsys, out)
 
 
@@ -177,13 +231,15 @@ def test_grpo_bad_input(case, files, tmp_path, capsys):
     (["--warmup", "1.5"], "argument --warmup: expected a number in [0, 1], got '1.5'"),
     (["--max-len", "0"], "argument --max-len: expected an integer in [1, inf), got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
-    (["--resume", "{dir}"], "--resume {dir}: not a checkpoint directory (no config.json)"),
+    (["--resume", "{dir}"], "--resume {dir}: not a checkpoint directory (no trainer_state_rank0.pt"),
     (["--out", "{evaluate_run}"], "--out {evaluate_run} holds a run of evaluate.py ({evaluate_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
-], ids=lambda c: " ".join(c[0]))
-def test_sft_bad_input(case, files, tmp_path, capsys):
+    (["--data", "{t_empty}"], "{t_empty}: no trajectories in the file"),
+    (["--data", "{t_surrogate}"], "{t_surrogate}:2: not UTF-8 text (surrogates not allowed)"),
+] + RESUME_CASES + common_cases(), ids=lambda c: " ".join(c[0]))
+def test_sft_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
-    argv, msg = _argv(["--model", files["dir"], "--data", files["traj"], "--out", out], case, files)
+    argv, msg = _argv(["--model", tiny_dir, "--data", files["traj"], "--out", out], case, files)
     assert msg in _refused(sft, argv, tmp_path, capsys, out)
 
 
@@ -219,7 +275,7 @@ def test_problem_numbers_keep_their_exact_value(tmp_path):
         with pytest.raises(ex.InputError, match=rf"n.jsonl:2: field 'answer': {msg}"):
             ex.read_problems(str(p))
     p.write_text('{"problem": "a", "answer": %s}\n' % ("9" * 4301))
-    with pytest.raises(ex.InputError, match=r"n.jsonl:1: not valid JSON \(Exceeds the limit"):
+    with pytest.raises(ex.InputError, match=r"n.jsonl:1: an integer of more than 4300 digits: write it as a string"):
         ex.read_problems(str(p))
 
 
@@ -251,16 +307,16 @@ def test_stages_refuse_each_others_run_folders(tiny_dir, files, tmp_path, capsys
 # 3) resume never mixes settings
 
 
-def test_evaluate_resume_refuses_another_k_or_batch_size(tmp_path):
+def test_evaluate_resume_refuses_another_k_or_batch_size(tiny_dir, tmp_path):
     data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
-    args = ev.parse_args(["--model", str(tmp_path), "--data", data, "--out", str(tmp_path), "--k", "2",
+    args = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
                           "--batch-size", "2"])
     benches = ev.read_benchmarks(args.data, args.limit)
     done = {("b", "q0", 0): {**PROBLEMS[0], "benchmark": "b", "sample_idx": 0}}
     (tmp_path / "args.json").write_text(json.dumps({"stage": "evaluate", **vars(args)}))
     ev.check_resume(args, str(tmp_path), done, benches)  # the same command resumes
     for flag, value, saved in (("k", 3, 2), ("batch_size", 1, 2), ("limit", 1, 0)):
-        other = ev.parse_args(["--model", str(tmp_path), "--data", data, "--out", str(tmp_path), "--k", "2",
+        other = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
                                "--batch-size", "2", f"--{flag.replace('_', '-')}", str(value)])
         with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
             ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
@@ -373,3 +429,156 @@ def test_a_tiny_number_with_a_huge_exponent_reads_at_once(tmp_path):
     p = tmp_path / "n.jsonl"
     p.write_text('{"problem": "a", "answer": 1e-999999999}\n{"problem": "b", "answer": 0e999999999}\n')
     assert [r["answer"] for r in ex.read_problems(str(p))] == ["1e-999999999", "0"]
+
+
+# -----------------------------------------------------------------------------
+# 8) checkpoint folders are never a run's --out; resumes refuse what decides the run
+
+
+def test_no_stage_writes_into_a_checkpoint_folder(tiny_dir, files, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], run, 2)) == 0
+    final = os.path.join(run, "final")
+    assert {"stage": "sft", "checkpoint": True}.items() <= json.load(open(os.path.join(final, "args.json"))).items()
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    for module, folder in ((ev, final), (grpo, final), (sft, final), (ev, tiny_dir), (grpo, os.path.join(run, "step_000001"))):
+        data = files["traj" if module is sft else "problems"]
+        assert ex.cli(module.main, ["--model", tiny_dir, "--data", data, "--out", folder]) == 2
+        assert capsys.readouterr().err == (f"{module.__name__}.py: error: --out {folder} is a model or checkpoint "
+                                           f"folder ({folder}/config.json): give another --out\n")
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", files["problems"], "--out", final + "/t.jsonl"]) == 2
+    assert "is a model or checkpoint folder" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
+def test_resumes_refuse_what_decides_the_run_and_apply_the_lr(tiny_dir, files, tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    argv = _sft_run(tiny_dir, files["traj"], a, 2) + ["--warmup", "0", "--lr", "1e-3"]
+    assert ex.cli(sft.main, argv) == 0
+    ckpt = os.path.join(a, "step_000001")
+    other = _jsonl(tmp_path / "other.jsonl", [dict(TRAJ[0], problem="Compute 9 + 0.")] + TRAJ[1:])  # same size
+    assert os.path.getsize(other) == os.path.getsize(files["traj"])
+    resume = _sft_run(tiny_dir, files["traj"], b, 2) + ["--warmup", "0", "--resume", ckpt]
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    for flags, msg in ((["--data", other], "--data (sha256 of the file) '"), (["--mask-outputs"], "--mask-outputs False"),
+                       (["--stateful"], "--stateful False"), (["--global-batch", "4"], "--global-batch 2"),
+                       (["--seed", "1"], "--seed 0"), (["--max-len", "100"], "--max-len 32768")):
+        assert ex.cli(sft.main, _argv(resume, (flags, msg), {})[0]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"sft.py: error: {ckpt}/args.json: the steps of {ckpt} were made with {msg}"), err
+    # another stage's checkpoint, a plain model: refused before a model loads or a file is written
+    (tmp_path / "rl").mkdir()
+    grpo_ckpt = str(tmp_path / "rl" / "latest")
+    shutil.copytree(ckpt, grpo_ckpt)
+    state = json.load(open(os.path.join(ckpt, "args.json")))
+    ex.write_json_atomic(os.path.join(grpo_ckpt, "args.json"), {**state, "stage": "grpo", "group_size": 8})
+    before = _tree(tmp_path)
+    assert ex.cli(sft.main, _argv(resume, (["--resume", grpo_ckpt], ""), {})[0]) == 2
+    assert capsys.readouterr().err == (f"sft.py: error: --resume {grpo_ckpt}: a checkpoint of grpo.py, not of sft.py: "
+                                       f"start from its weights with --model {grpo_ckpt}\n")
+    g = ["--model", tiny_dir, "--data", files["problems"], "--out", b]
+    assert ex.cli(grpo.main, g + ["--resume", ckpt]) == 2
+    assert f"--resume {ckpt}: a checkpoint of sft.py, not of grpo.py" in capsys.readouterr().err
+    assert ex.cli(grpo.main, g + ["--resume", tiny_dir]) == 2
+    assert f"--resume {tiny_dir}: not a checkpoint directory (no trainer_state_rank0.pt" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+    # a new --lr applies from the resumed step: step 2 at 5e-3 x cosine(1 of 2 steps) = 2.5e-3
+    assert ex.cli(sft.main, resume + ["--lr", "5e-3"]) == 0
+    assert [r["lr"] for r in ex.read_jsonl_tolerant(os.path.join(b, "log.jsonl"))] == [2.5e-3]
+
+
+def test_grpo_resume_with_another_seed_is_refused(tiny_dir, files, tmp_path, capsys):
+    out = str(tmp_path / "g")
+    argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1", "--no-progress"]
+    assert ex.cli(grpo.main, argv + ["--steps", "1"]) == 0
+    latest = os.path.join(out, "latest")
+    assert json.load(open(os.path.join(latest, "args.json")))["stage"] == "grpo"
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    assert ex.cli(grpo.main, argv + ["--steps", "2", "--seed", "1", "--resume", latest]) == 2
+    assert capsys.readouterr().err.startswith(f"grpo.py: error: {latest}/args.json: the steps of {latest} were made "
+                                              "with --seed 0, this run has 1")
+    assert ex.cli(sft.main, ["--model", tiny_dir, "--data", files["traj"], "--out", str(tmp_path / "s"),
+                             "--resume", latest]) == 2
+    assert f"--resume {latest}: a checkpoint of grpo.py, not of sft.py" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
+def test_checks_that_need_the_tokenizer_run_before_any_write(tiny_dir, files, tmp_path, capsys):
+    bad = _jsonl(tmp_path / "b.jsonl", [dict(TRAJ[0], blocks=[{"output": "99"}])])  # the completion shows 0
+    out = str(tmp_path / "o")
+    assert ex.cli(sft.main, ["--model", tiny_dir, "--data", bad, "--out", out]) == 2
+    assert f"{bad}:1: " in capsys.readouterr().err
+    assert not os.path.exists(out)
+    assert ex.cli(grpo.main, ["--model", tiny_dir, "--data", files["problems"], "--out", out,
+                              "--max-context", "5"]) == 2
+    assert "--max-context 5: no prompt of" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+# -----------------------------------------------------------------------------
+# 9) distill: what its --out may be, and prompts that cannot fit
+
+
+def test_distill_refuses_an_out_it_did_not_write_and_prompts_that_cannot_fit(tiny_dir, files, tmp_path, capsys):
+    (tmp_path / "copy").mkdir()
+    samples = str(tmp_path / "copy" / "samples.jsonl")  # an evaluation's rows, copied away from its args.json
+    _jsonl(tmp_path / "copy" / "samples.jsonl", [dict(p, sample_idx=0, correct=False) for p in PROBLEMS])
+    before = _tree(tmp_path)
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", files["problems"], "--out", samples]) == 2
+    assert capsys.readouterr().err == (f"distill.py: error: --out {samples}: not written by distill.py (no "
+                                       f"{tmp_path}/copy/samples.args.json): give another --out\n")
+    assert _tree(tmp_path) == before
+    out = str(tmp_path / "d" / "t.jsonl")
+    assert ex.cli(distill.main, ["--teacher", tiny_dir, "--data", files["problems"], "--out", out,
+                                 *DISTILL_FLAGS, "--max-context", "5"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"distill.py: error: --max-context 5: no prompt of {files['problems']} leaves room for a token"
+
+
+# -----------------------------------------------------------------------------
+# 10) flags that would be ignored, --plot on a log without its fields, a full disk in torch.save
+
+
+def test_evaluate_refuses_flags_it_would_ignore(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    for argv, msg in ((["--from-samples", str(tmp_path), "--k", "3"], "--k has no effect with --from-samples"),
+                      (["--from-samples", str(tmp_path), "--out", "x"], "--out has no effect with --from-samples"),
+                      (["--plot", str(tmp_path), "--from-samples", "x"], "--from-samples has no effect with --plot"),
+                      (["--plot", str(tmp_path)], f"{tmp_path}/metrics.jsonl: a row without the field 'reward_mean'")):
+        assert ex.cli(ev.main, argv) == 2
+        assert capsys.readouterr().err == f"evaluate.py: error: {msg}" + ("\n" if "row" not in msg else
+                                                                            " (not a grpo.py metrics log?)\n")
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("message", ["[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 4032",
+                                     "PytorchStreamWriter failed writing file data/0: file write failed",
+                                     "[enforce fail at inline_container.cc:419] . iostream error"])
+def test_full_disk_in_torch_save_is_one_line(message, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    def no_space(*a, **kw):  # what torch.save raises on a full disk (no errno)
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(sft.torch, "save", no_space)
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], str(tmp_path / "run"), 1)) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "sft.py: error: no space left on device"
+    assert sorted(os.listdir(tmp_path / "run")) == ["args.json", "log.jsonl"]
+
+
+# -----------------------------------------------------------------------------
+# 11) a UTF-8 BOM is good input, as python and json.load(encoding="utf-8-sig") take it
+
+
+def test_a_utf8_bom_is_accepted(files, tmp_path, capsys):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + open(files["problems"], "rb").read())
+    assert [p["id"] for p in ex.read_problems(str(bom))] == ["q0", "q1", "q2"]
+    bom.write_bytes(b"\xef\xbb\xbf" + open(files["traj"], "rb").read())
+    assert [row[1] for row in sft.read_trajectories(str(bom))] == [t["problem"] for t in TRAJ]
+    code = tmp_path / "bom.py"
+    code.write_bytes(b"\xef\xbb\xbfprint(6 * 7)\n")
+    assert ex.cli(ex.main, [str(code)]) == 0
+    assert capsys.readouterr().out == "42\n\n"  # (what the block printed, then print's newline)

@@ -269,10 +269,13 @@ def test_cli_tiny_model_resume_after_kill(tiny_dir, tmp_path):
     assert s["args"]["samples_per_problem"] == 2
     assert set(s["failed"]) == set(distill.RULES)
     # 3) a run with nothing left to sample only rewrites the summary: the teacher is not
-    # even loaded (an empty folder would fail to load; a missing one is refused at parse time)
+    # even loaded (a folder with only a config.json would fail to load; a missing or empty one
+    # is refused at parse time)
     os.remove(summ)
     shutil.rmtree(teacher)
     os.makedirs(teacher)
+    with open(os.path.join(teacher, "config.json"), "w") as f:
+        f.write("{}")
     cmd, env = cli(teacher, str(data), out)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -130,6 +130,7 @@ def test_waves_do_not_depend_on_ranks():
 def test_bad_data_line_is_a_clean_one_line_error(tmp_path):
     bad = tmp_path / "bench.jsonl"
     bad.write_text(json.dumps(B1[0]) + "\n{not json\n")
+    (tmp_path / "config.json").write_text("{}")  # a model folder, never loaded
     r = subprocess.run([sys.executable, SCRIPT, "--model", str(tmp_path), "--data", str(bad),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=25,
                        env=ENV, cwd=ROOT)
@@ -148,7 +149,8 @@ def test_input_and_resume_errors_exit_2_before_any_model(single, tmp_path, capsy
         assert len(err) == 1 and err[0].startswith("evaluate.py: error: ")
         return err[0]
 
-    base = ["--model", str(tmp_path), "--out", str(tmp_path / "o")]   # any existing path: never loaded
+    (tmp_path / "config.json").write_text("{}")
+    base = ["--model", str(tmp_path), "--out", str(tmp_path / "o")]   # any model folder: never loaded
     assert f"{tmp_path / 'missing.jsonl'}: no such file" in error(*base, "--data", str(tmp_path / "missing.jsonl"))
     no_answer = _write_jsonl(tmp_path / "x.jsonl", [{"id": "1", "problem": "?"}])
     assert f"{no_answer}:1: missing field 'answer'" in error(*base, "--data", no_answer)

@@ -567,6 +567,7 @@ def test_resume_applies_the_lr_given_now(tiny_dir, tmp_path):
     (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
     (("--drop-solved", "no/such.jsonl"), "argument --drop-solved: no/such.jsonl: no such file")])
 def test_bad_arguments_are_refused_before_loading(flags, msg, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")  # a model folder, never loaded
     assert ex.cli(grpo.main, ["--model", str(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2
     assert capsys.readouterr().err == f"grpo.py: error: {msg}\n"
     assert not os.path.exists(tmp_path / "o")

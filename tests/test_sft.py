@@ -379,7 +379,7 @@ def test_saved_dir_loads_with_same_logits(tmp_path, model, tokenizer):
     assert not os.path.exists(out + ".tmp") and not os.path.exists(out + ".old")
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert "quantization_config" not in cfg
-    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
+    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0, "checkpoint": True}
     assert sft.load_trainer_state(out)["step"] == 3
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.randint(3, 300, (2, 17))
@@ -589,6 +589,7 @@ def test_stateful_trajectories_train_under_the_stateful_prompt(tmp_path, tokeniz
     assert [t for t, r in zip(stateful["ids"], stateful["roles"]) if r != ROLE_PROMPT] == trajectory
     (tmp_path / "t.args.json").write_text(json.dumps({"stage": "distill", "stateful": True}))
     with pytest.raises(executor.InputError, match="were made with --stateful True, this run has False"):
+        (tmp_path / "config.json").write_text("{}")  # a model folder, never loaded
         sft.main(["--model", str(tmp_path), "--data", path, "--out", str(tmp_path / "o")])
     assert not os.path.exists(tmp_path / "o")
 
