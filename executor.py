@@ -1042,31 +1042,17 @@ def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     return out.logits[:, -1, :], full_mask
 
 
-def _repeat_rows(cache, k, *tensors):
-    """Repeat each batch row of the KV cache and of `tensors` ((B, ...) each) k times in a row."""
-    cache.batch_repeat_interleave(k)
-    return [t.repeat_interleave(k, 0) for t in tensors]
-
-
-def _copy_row(cache, dst: int, src: int):
-    """Overwrite batch row dst of every KV-cache layer with row src, in place."""
-    for layer in cache.layers:
-        layer.keys[dst], layer.values[dst] = layer.keys[src], layer.values[src]
-
-
 def _compact(cache, mask):
     """Drop the cache positions that no row attends to: each row's real positions (mask 1,
     in order) move to the right end of the S' = max row sum positions kept, in place (the
     slab stays; attention does not depend on where a key sits, its rotary position is in it).
     mask: (B, S) 0/1. Returns the (B, S') mask."""
-    import torch
     keep = int(mask.sum(dim=1).max())
-    idx = torch.sort(mask, dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)  # (B, H_kv, S, D)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
             t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
-            setattr(layer, name, t[:, :, :keep])
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
     return mask.gather(1, idx)
 
 
@@ -1082,8 +1068,8 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None, stats: dict | None = None,
-            stateful: bool = False) -> list:
+            max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None,
+            on_sample=lambda i, sample: None, stats: dict | None = None, stateful: bool = False) -> list:
     """Sample THINC trajectories: decode, run each closed ```python block, append its
     ```output block, continue from the KV cache, until EOS or a budget.
 
@@ -1119,7 +1105,9 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         progress: None; True for a tqdm bar of this call's samples; or a callable
             `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
             called with the number of tokens just sampled (done None) and with each
-            finished row (tokens 0; `done.blocks` as in `Sample.blocks`).
+            finished sample (tokens 0; done its `Sample`).
+        on_sample: called as on_sample(i, Sample) as soon as sample i finishes (a caller can
+            save it before the call returns).
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
@@ -1138,10 +1126,16 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
     # sample i draws from its own generator: its tokens depend on its seed and its own logits,
     # never on when other rows pause for their blocks or which row's place it takes
-    seeds = list(seed) if isinstance(seed, (list, tuple)) else [(seed * 1_000_003 + i) % 2 ** 63 for i in range(len(rows))]
+    seeds = list(seed) if isinstance(seed, list) else [(seed * 1_000_003 + i) % 2 ** 63 for i in range(len(rows))]
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     own_bar = progress is True
     progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
+
+    def finished(i):  # sample i is done: its row becomes its Sample, reported and handed over at once
+        rows[i] = _to_sample(rows[i], tokenizer, stops, seeds[i])
+        progress(0, rows[i])
+        on_sample(i, rows[i])
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
     with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
@@ -1151,12 +1145,12 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
         if shared:
             _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
-        (mask,) = _repeat_rows(cache, min(max_num_seqs or len(rows), len(rows)), mask)  # (B, S)
-        slots = [None] * mask.shape[0]  # batch row -> sample index; None: free
-        need = [False] * len(slots)  # rows that sample from `logits`
-        # the next sample to place; (prompt, row) of the last one placed; rows to fill from another
-        # after the forward, and rows prefilling a prompt now; the logits of a prompt's last token
-        nxt, src, copies, fresh, first = 0, None, [], [], {}
+        slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
+        cache.batch_repeat_interleave(len(slots))
+        mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
+        # rows that sample from `logits`; the next sample to place; (prompt, row) of the last one
+        # placed; (row, row to copy from, prompt) of each placed now; a prompt's last logits
+        need, nxt, src, placed, first = [], 0, None, [], {}
 
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
@@ -1172,7 +1166,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             # 3) finished rows are reported and free their place
             for b, i in enumerate(slots):
                 if i is not None and rows[i].finish is not None:
-                    progress(0, rows[i])
+                    finished(i)
                     slots[b] = None
             # 4) the next samples take the free places. A sample of the prompt placed last reuses
             #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
@@ -1181,23 +1175,20 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             while free and nxt < len(rows):
                 i, nxt = nxt, nxt + 1
                 if rows[i].finish is not None:  # no room for a token: never fed
-                    progress(0, rows[i])
+                    finished(i)
                     continue
-                b = src[1] if src and src[0] == i // n and src[1] in free else free[0]
-                if src and src[0] == i // n:
-                    copies.append((b, src[1], i // n))
-                else:
-                    mask[b] *= mask[b].cumsum(0) <= shared
-                    fresh.append((i // n, b))
+                sibling = src is not None and src[0] == i // n
+                b = src[1] if sibling and src[1] in free else free[0]
+                mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
+                placed.append((b, src[1] if sibling else b, i // n))
                 free.remove(b)
                 slots[b], src = i, (i // n, b)
-            if nxt == len(rows) and free and not copies:  # nothing left to place: the batch shrinks
+            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
                 keep = [b for b, i in enumerate(slots) if i is not None]
                 if not keep:
                     break
-                k = torch.tensor(keep, device=device)
-                cache.batch_select_indices(k)
-                mask, slots = mask[k], [slots[b] for b in keep]
+                cache.batch_select_indices(torch.tensor(keep, device=device))
+                mask, slots = mask[keep], [slots[b] for b in keep]
             # 5) append the output of every block that has finished; if no row has anything
             #    else to do, wait for the first one
             running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
@@ -1211,8 +1202,9 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                     r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
             # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
             # the shared prefix, its last sampled token, or the fence and the output block after
-            # a run; a row whose block runs, or that takes its KV rows from another, feeds nothing
-            copied = {c[0] for c in copies}
+            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
+            # (in its sibling's own place, it holds more than its prompt already)
+            copied = {dst for dst, b, _ in placed if b != dst}
             feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
                      else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
             # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
@@ -1222,26 +1214,26 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 if real < mask.shape[1] and width > min(max_context, 2 * real):
                     mask = _compact(cache, mask)
                 logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
-                first.update({p: logits[b].clone() for p, b in fresh if n > 1})
-            # 7) a sample placed on another's prompt copies its KV rows and mask up to the prompt's
-            #    end, and samples its first token from the prompt's logits
-            for dst, b, p in copies:
-                if dst != b:
-                    _copy_row(cache, dst, b)
+            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
+            #    and its mask up to the prompt's end, and samples its first token from the logits
+            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
+            for dst, b, p in placed:
+                for layer in cache.layers:
+                    layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
                 mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
-                logits[dst] = first[p]
-            need = [len(f) > 0 or b in copied for b, f in enumerate(feeds)]
-            copies, fresh, first = [], [], {p: v for p, v in first.items() if p == src[0]}
+                logits[dst] = first.setdefault(p, logits[dst].clone())
+            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
+            placed, first = [], {p: v for p, v in first.items() if p == src[0]}
     if own_bar:
         progress.close()
-    return [_to_sample(r, tokenizer, stops, s) for r, s in zip(rows, seeds)]
+    return rows
 
 
 class RolloutProgress:
     """A tqdm bar for `rollout(..., progress=bar)`: samples finished of `total` (one bar may
-    span several rollout calls, e.g. a GRPO step's waves), model tokens per second, code
-    blocks run and how many of them failed (counted as their samples finish). With
-    `disable` (ranks other than 0) it counts but shows nothing."""
+    span several rollout calls), model tokens per second, code blocks run and how many of
+    them failed (counted as their samples finish). With `disable` (ranks other than 0) it
+    counts but shows nothing."""
 
     def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
         from tqdm import tqdm
@@ -1280,9 +1272,8 @@ def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_t
     piece = _decode_new(r, tokenizer)
     r.text += piece
     hit = _fence_stop(r.text, len(piece)) if piece else None
-    no_tokens_left = max_new_tokens and r.n_model >= max_new_tokens
     if hit is None:
-        return "length" if len(r.ids) >= max_context or no_tokens_left else None
+        return "length" if len(r.ids) >= max_context or max_new_tokens and r.n_model >= max_new_tokens else None
     kind, cut, r.code = hit
     _trim_to_fence(r, cut, tokenizer)
     if kind == "fake_output":  # the model wrote an output block itself: end the turn there

@@ -35,8 +35,9 @@ flags given now (budgets, --steps) apply. A prompt with no room for a token unde
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
 (executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout
-batch; 1 is on-policy (ratio exactly 1). --rollout-prompts: prompts a rollout wave per rank,
-whose x G sequences share the KV cache. --save-every: steps between writes of out/latest
+batch; 1 is on-policy (ratio exactly 1). --max-num-seqs: sequences decoding at once per rank
+(vLLM's max_num_seqs; continuous batching: a finished sequence's place goes to the next, and a
+group's G sequences share their prompt's prefill). --save-every: steps between writes of out/latest
 (a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
@@ -45,7 +46,7 @@ Departures from the paper (which does not describe these details):
      not replaced by more draws (DAPO's dynamic sampling).
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
-     bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
+     bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
 """
 import argparse, copy, hashlib, os, random, sys, time
 from dataclasses import dataclass
@@ -86,24 +87,17 @@ def prompt_ids(tokenizer, problem, args) -> list:
 
 
 def collect_rollouts(policy, tokenizer, problems, sandbox, args, seed: int, rollout_fn=executor.rollout):
-    """G samples per problem, prompt-major (result[i * G + j]), generated in waves of
-    --rollout-prompts prompts, longest prompts first. Returns (samples, seconds the sampler
-    stalled waiting on code blocks; the rest of their execution overlaps decoding)."""
+    """G samples per problem, prompt-major (result[i * G + j]), in one rollout call: at most
+    --max-num-seqs rows decode at once and a finished sample's place goes to the next one.
+    Returns (samples, seconds the sampler stalled waiting on code blocks; the rest of their
+    execution overlaps decoding)."""
     stats = {}
-    prompts = [prompt_ids(tokenizer, p, args) for p in problems]
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave, G = args.rollout_prompts or len(prompts), args.group_size
-    out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
-    for w in range(0, len(order), wave):
-        idx = order[w:w + wave]
-        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, temperature=args.temperature,
-                         top_p=args.top_p, max_context=args.max_context, max_new_tokens=args.max_new_tokens,
-                         max_tool_calls=args.max_tool_calls, seed=mix_seed(seed, w), stats=stats,
-                         stateful=args.stateful)
-        for k, i in enumerate(idx):
-            out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
+    out = rollout_fn(policy, tokenizer, [prompt_ids(tokenizer, p, args) for p in problems], sandbox,
+                     n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_context=args.max_context,
+                     max_new_tokens=args.max_new_tokens, max_tool_calls=args.max_tool_calls, seed=seed,
+                     max_num_seqs=args.max_num_seqs, stats=stats, stateful=args.stateful)
     policy.train(was_training)
     return out, stats.get("exec_wait_s", 0.0)
 
@@ -537,7 +531,7 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4, help="prompts a wave a rank; 0 = all")
+    p.add_argument("--max-num-seqs", type=executor.nonneg_int, default=32, help="sequences at once a rank; 0 = all")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
