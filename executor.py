@@ -1049,7 +1049,7 @@ def _compact(cache, mask):
     mask: (B, S) 0/1. Returns the (B, S') mask."""
     keep = int(mask.sum(dim=1).max())
     idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
-    for layer in cache.layers:
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
         for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
             t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
         layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
@@ -1218,7 +1218,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             #    and its mask up to the prompt's end, and samples its first token from the logits
             #    the prompt's first sample got from its prefill (kept while the prompt has samples)
             for dst, b, p in placed:
-                for layer in cache.layers:
+                for layer in [x for x in cache.layers if x.is_initialized]:
                     layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
                 mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
                 logits[dst] = first.setdefault(p, logits[dst].clone())
