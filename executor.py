@@ -1096,8 +1096,9 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             samples whatever the timing of the blocks and the order rows finish in (up to the
             floating-point effects of which rows share a forward). `Sample.seed` is seed[i].
         max_num_seqs: rows decoding at once; 0 = all samples. The KV cache holds at most
-            this many rows, each no longer than a wave of as many rows would hold (holes that
-            no row attends to are dropped when they would double it or pass max_context).
+            this many rows of at most max_context positions plus one chunk, as a wave of as
+            many rows at most does: positions that no row attends to (left by finished rows,
+            waits and padding) are dropped once they would double the cache or pass max_context.
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
         stateful: each block sees what the earlier blocks of its own trajectory defined
@@ -1211,7 +1212,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             #    dropping the holes in the cache if they would double it or pass max_context
             if any(feeds):
                 width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
-                if real < mask.shape[1] and width > min(max_context, 2 * real):
+                if real < mask.shape[1] and width > min(max_context, real + real // 4):
                     mask = _compact(cache, mask)
                 logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
             # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)

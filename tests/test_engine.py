@@ -631,7 +631,7 @@ def test_a_place_is_refilled_while_another_row_waits_on_its_block(tokenizer, san
     order = []
     calls = _spy_forward(model)
     sa, sb, sc = ex.rollout(model, tok, [pa, pb, pc], sandbox, temperature=0.0, max_new_tokens=200, max_num_seqs=2,
-                            progress=lambda tokens, done=None: done is not None and order.append(done.ids[:done.prompt_len]))
+                            progress=lambda tokens, done=None: done is not None and order.append(done.prompt_ids))
     assert (sa.ids, sb.ids, sc.ids) == (a, b, c)
     assert sa.blocks[0]["output"] == "1\n" and sc.blocks == []
     assert order == [pb, pc, pa]
