@@ -1098,7 +1098,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         max_num_seqs: rows decoding at once; 0 = all samples. The KV cache holds at most
             this many rows of at most max_context positions plus one chunk, as a wave of as
             many rows at most does: positions that no row attends to (left by finished rows,
-            waits and padding) are dropped once they would double the cache or pass max_context.
+            waits and padding) are dropped once the cache would pass max_context or 5/4 of
+            its longest row.
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
         stateful: each block sees what the earlier blocks of its own trajectory defined
@@ -1209,7 +1210,8 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
                      else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
             # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
-            #    dropping the holes in the cache if they would double it or pass max_context
+            #    dropping the positions no row attends to if the cache would pass max_context or
+            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
             if any(feeds):
                 width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
                 if real < mask.shape[1] and width > min(max_context, real + real // 4):
