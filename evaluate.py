@@ -14,9 +14,9 @@ plan tokens and plan share, prose written after the plan, and finish reasons.
 
 Reads: a model (HF directory, .gguf, or a packaged name) and problems JSONL files
 ({"id", "problem", "answer"}; the file stem names the benchmark). Writes, in --out:
-samples.rank{r}.jsonl while running (each rank appends its finished waves), then
+samples.rank{r}.jsonl while running (each rank appends each sample as it finishes), then
 samples.jsonl (all ranks merged: the problem's fields and executor.sample_record's
-fields plus benchmark, sample_idx, seed, rollout_ids, rollout_n), metrics.json
+fields plus benchmark and sample_idx), metrics.json
 ({"args", "benchmarks": {name: metrics}}), metrics.md (the tables, also printed) and
 args.json. A killed run restarted with the same command skips the samples already written.
 
@@ -33,10 +33,11 @@ Departures from the paper (it does not define these details):
      vote), so maj@k never disagrees with grade.
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
-  4. Sampling runs in waves of --batch-size problems x k samples, one rollout call (one
-     seed, a generator per row) per wave; waves depend only on the data and --batch-size, never on
-     the number of ranks, so a sample is reproduced by rerunning its wave (its row names
-     the call's seed and problem ids) and 1 or N ranks give the same samples.
+  4. Each rank samples its problems (every world_size-th) in one rollout call, at most
+     --max-num-seqs sequences at once (continuous batching). Sample j of a problem draws from
+     its own generator, seeded (its row's seed) from --seed, the benchmark, the problem id and
+     j only (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same
+     samples (up to the floating-point effects of which rows share a forward).
 """
 import datetime
 import glob
@@ -351,11 +352,11 @@ def merged_samples(out_dir: str) -> dict:
 # Config
 
 
-# the run's identity: everything that decides which samples exist and what they are (waves
-# depend on the data, --limit, --batch-size and k). A run folder is resumed only with the same.
+# the run's identity: everything that decides which samples exist and what they are (not
+# --max-num-seqs: a sample's seed is its own). A run folder is resumed only with the same.
 # ROLLOUT_ARGS are also executor.rollout's keyword arguments of the same names.
 ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
-SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "batch_size", "seed", "exec_timeout", *ROLLOUT_ARGS)
+SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout", *ROLLOUT_ARGS)
 
 
 def parse_args(argv=None):
@@ -376,10 +377,10 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens of prompt + completion")
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model-written tokens; 0 = no limit")
     p.add_argument("--max-tool-calls", type=ex.nonneg_int, default=40, help="executed code blocks per sample")
-    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed of the waves' rollout seeds (wave_seed)")
+    p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed of the samples' seeds (sample_seed)")
     # throughput
-    p.add_argument("--batch-size", type=ex.positive_int, default=4, help="problems per rollout call (a wave of "
-                   "batch-size x k sequences, per rank); lower it if out of memory. Decides the samples (waves)")
+    p.add_argument("--max-num-seqs", type=ex.positive_int, default=64, help="sequences decoding at once per rank "
+                   "(a finished one's place goes to the next); lower it if out of memory. Changes no sample")
     p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
@@ -396,7 +397,7 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Work: benchmarks, waves, resume
+# Work: benchmarks, seeds, resume
 
 
 def read_benchmarks(paths, limit: int) -> dict:
@@ -413,37 +414,25 @@ def read_benchmarks(paths, limit: int) -> dict:
     return benches
 
 
-def wave_seed(seed: int, benchmark: str, ids, k: int) -> int:
-    """The rollout seed of one wave: a stable hash (not Python's salted hash()) of the base
-    seed, the benchmark, the wave's problem ids in order, and k."""
-    return int(hashlib.sha256(json.dumps([seed, benchmark, list(ids), k]).encode()).hexdigest()[:15], 16)
-
-
-def make_waves(benches: dict, batch_size: int, k: int, seed: int) -> list:
-    """Waves: each benchmark's problems cut, in file order, into chunks of batch_size; one
-    rollout call each. A wave is a dict (benchmark, problems, seed). The list depends only
-    on the data, --batch-size, k and seed (never on the number of ranks): rank r runs
-    waves w with w % world_size == r, all k samples of a problem in one call so that the
-    prompt is prefilled once."""
-    chunks = [(b, qs[s:s + batch_size]) for b, qs in benches.items() for s in range(0, len(qs), batch_size)]
-    return [dict(benchmark=b, problems=c, seed=wave_seed(seed, b, [q["id"] for q in c], k)) for b, c in chunks]
-
-
-def wave_keys(wave: dict, k: int) -> list:
-    """The wave's work items (benchmark, problem id, sample_idx), problem-major."""
-    return [(wave["benchmark"], q["id"], j) for q in wave["problems"] for j in range(k)]
+def sample_seed(seed: int, benchmark: str, problem_id: str, j: int) -> int:
+    """The generator seed of sample j of a problem: a stable hash (not Python's salted
+    hash()) of the base seed, the benchmark, the problem id and j, nothing else."""
+    return int(hashlib.sha256(json.dumps([seed, benchmark, problem_id, j]).encode()).hexdigest()[:15], 16)
 
 
 def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     """A run folder with samples is resumed only by the same run: the same SAMPLING_ARGS as
     its args.json, and every saved sample one of this run's work items (benchmark, id,
     sample_idx < k) made for the same problem and answer (the data files may have
-    changed). Raises InputError saying what differs."""
+    changed), and not drawn in waves (rows with rollout_ids, from an evaluate.py that cut the
+    problems into waves of --batch-size: other seeds). Raises InputError saying what differs."""
     if done:
         ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
     for key, row in done.items():
         q = problems.get(key[:2])
+        if "rollout_ids" in row:
+            raise ex.InputError(f"{out_dir}: sample {key} was drawn in waves, with other seeds: use another --out")
         if q is None or key[2] >= args.k or row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
             raise ex.InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
                              "(the data files changed?): use another --out")
@@ -570,15 +559,16 @@ def plot_run(run_dir: str) -> list:
 
 
 def run(args) -> None:
-    """Sample k completions per problem on every rank's waves, append them as they finish,
+    """Sample k completions per problem on every rank's problems, append each as it finishes,
     then (rank 0) merge the ranks' files and write the report."""
     # 1) inputs and resume state, checked before any process group exists so that every
     #    rank fails the same clean way (all ranks read the same files; a rank only ever
-    #    appends to its own file, and only rows of its own waves, so what another rank
+    #    appends to its own file, and only rows of its own problems, so what another rank
     #    reads while this one writes cannot change its decisions)
     ex.check_out(args.out, "evaluate")  # (its own samples.jsonl as --data fails check_resume below)
     benches = read_benchmarks(args.data, args.limit)
-    waves = make_waves(benches, args.batch_size, args.k, args.seed)
+    problems = [(b, q) for b, qs in benches.items() for q in qs]
+    keys = [(b, q["id"], j) for b, q in problems for j in range(args.k)]  # the work items, in report order
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
 
@@ -590,46 +580,41 @@ def run(args) -> None:
     # rollout time differences)
     rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
-        todo = [w for w in waves[rank::world] if any(key not in done for key in wave_keys(w, args.k))]
-        n_samples = sum(len(w["problems"]) for w in waves) * args.k
-        print0(f"{n_samples} samples ({len(benches)} benchmarks, k {args.k}), {len(waves)} waves of <= "
-               f"{args.batch_size} problems, {world} ranks (rank r runs waves w % {world} == r); "
-               f"{len(done)} samples already in {args.out}")
+        # a problem that lacks a sample is sampled whole again: its seeds reproduce the saved ones
+        todo = [(b, q) for b, q in problems[rank::world] if any((b, q["id"], j) not in done for j in range(args.k))]
+        print0(f"{len(keys)} samples ({len(benches)} benchmarks, k {args.k}), <= {args.max_num_seqs} at once on each "
+               f"of {world} ranks (rank r: problems p % {world} == r); {len(done)} samples already in {args.out}")
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
             ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
-        # 2) rollouts, one wave at a time; finished waves are appended to this rank's file.
-        #    No collective in here: ranks finish their waves at different times.
+        # 2) rollouts: one call for all of this rank's problems; each sample is appended to this
+        #    rank's file as it finishes. No collective in here: ranks finish at different times.
         if todo:
             my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
             ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
-            prompts = {(w["benchmark"], q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful)
-                       for w in waves for q in w["problems"]}
+            prompts = {(b, q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful) for b, q in problems}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
                 raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                     f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                     "raise it, or remove those problems")
+            t0, mine = time.time(), [(b, q, j) for b, q in todo for j in range(args.k)]  # sample n of the call
+
+            def save(n, sample):
+                b, q, j = mine[n]
+                if (b, q["id"], j) not in done:
+                    ex.append_jsonl(my_file, [{**ex.sample_record(q, sample), "benchmark": b, "sample_idx": j}])
             cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))   # per rank on this node
             with ex.Sandbox(workers=args.exec_workers or max(1, cpus), timeout=args.exec_timeout) as sandbox:
-                for wi, w in enumerate(todo):
-                    t0, ids = time.time(), [q["id"] for q in w["problems"]]
-                    # the whole wave is rerun even when a resumed run lacks only some of its
-                    # samples: the same call (prompts, n, seed) reproduces the same samples
-                    samples = ex.rollout(model, tok, [prompts[w["benchmark"], i] for i in ids], sandbox, n=args.k,
-                                         seed=w["seed"], progress=rank == 0,
-                                         **{a: getattr(args, a) for a in ROLLOUT_ARGS})
-                    # samples[n] is work item n of the wave (problem-major); its seed is the call's
-                    rows = [{**ex.sample_record(w["problems"][n // args.k], samples[n]), "benchmark": key[0],
-                             "sample_idx": key[2], "rollout_ids": ids, "rollout_n": args.k}
-                            for n, key in enumerate(wave_keys(w, args.k)) if key not in done]
-                    ex.append_jsonl(my_file, rows)
-                    print(f"[rank {rank}] wave {wi + 1}/{len(todo)} ({w['benchmark']}, {len(ids)} problems): "
-                          f"{sum(r['correct'] for r in rows)}/{len(rows)} correct, {time.time() - t0:.1f}s", flush=True)
+                ex.rollout(model, tok, [prompts[b, q["id"]] for b, q in todo], sandbox, n=args.k,
+                           seed=[sample_seed(args.seed, b, q["id"], j) for b, q, j in mine],
+                           max_num_seqs=args.max_num_seqs, on_sample=save, progress=rank == 0,
+                           **{a: getattr(args, a) for a in ROLLOUT_ARGS})
+            print(f"[rank {rank}] sampled {len(todo)} problems x {args.k} in {time.time() - t0:.1f}s", flush=True)
 
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
@@ -638,7 +623,6 @@ def run(args) -> None:
             dist.barrier()
         if rank == 0:
             rows = merged_samples(args.out)
-            keys = [key for w in waves for key in wave_keys(w, args.k)]
             assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"
             ex.write_json_atomic(os.path.join(args.out, "samples.jsonl"),
                               "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys))
@@ -666,7 +650,7 @@ def main(argv=None) -> None:
 
 def interrupted() -> str:
     """The line a Ctrl-C prints: what is kept, and the command that continues."""
-    return f"the samples of finished waves are kept in {parse_args().out}; resume: {ex.command_line()}"
+    return f"the finished samples are kept in {parse_args().out}; resume: {ex.command_line()}"
 
 
 if __name__ == "__main__":

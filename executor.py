@@ -1226,10 +1226,18 @@ def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     return out.logits[:, -1, :], full_mask
 
 
-def _repeat_rows(cache, k, *tensors):
-    """Repeat each batch row of the KV cache and of `tensors` ((B, ...) each) k times in a row."""
-    cache.batch_repeat_interleave(k)
-    return [t.repeat_interleave(k, 0) for t in tensors]
+def _compact(cache, mask):
+    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
+    in order) move to the right end of the S' = max row sum positions kept, in place (the
+    slab stays; attention does not depend on where a key sits, its rotary position is in it).
+    mask: (B, S) 0/1. Returns the (B, S') mask."""
+    keep = int(mask.sum(dim=1).max())
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
+            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+    return mask.gather(1, idx)
 
 
 def shared_prefix_len(prompts, min_len: int = 16) -> int:
@@ -1244,31 +1252,38 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
 
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed: int = 0, progress=None, stats: dict | None = None,
-            stateful: bool = False) -> list:
+            max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None,
+            on_sample=lambda i, sample: None, stats: dict | None = None, stateful: bool = False) -> list:
     """Sample THINC trajectories: decode, run each closed ```python block, append its
     ```output block, continue from the KV cache, until EOS or a budget.
 
-    A row that closes a block sends it to the sandbox at once and feeds nothing until the
-    output is back; the other rows decode on meanwhile (no row waits for the slowest row's
-    block, and execution overlaps decoding). The batch stalls only when every live row
-    waits on a block.
+    Continuous batching: at most `max_num_seqs` rows decode at once, and a finished row's
+    place goes at once to the next sample (in order). A row that closes a block sends it to
+    the sandbox and feeds nothing until the output is back; the other rows decode on (and
+    free places are refilled) meanwhile. The batch stalls only when every row waits on a block.
 
     Args:
         prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
-            prefix they all share is prefilled once (`shared_prefix_len`).
+            prefix they all share is prefilled once (`shared_prefix_len`) and kept by every row.
         sandbox: a `Sandbox` (anything with a thread-safe `run(code, history) -> ExecResult`
             and `workers`, the number of blocks run at once).
-        n: samples per prompt (a GRPO group); the prompt is prefilled once and its cache
-            shared, every row's first token drawn independently (tests/faults.md G7).
+        n: samples per prompt (a GRPO group); the prompt is prefilled once and its KV rows and
+            last logits shared by its n samples, however far apart they start, every row's first
+            token drawn independently (tests/faults.md G7).
         temperature, top_p, top_k: see `sample_next_token`.
         max_context: tokens of prompt + completion; reaching it ends a row with 'length'.
         max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
         max_tool_calls: executed blocks per sample; one more closed block ends the row
             with 'tool_budget' (that block is not run).
-        seed: row i of the call draws from its own generator seeded from (seed, i), so the
-            same seed and prompts reproduce the same samples whatever the timing of the
-            blocks (up to the floating-point effects of which rows share a forward).
+        seed: sample i draws from its own generator seeded from (seed, i), or from seed[i]
+            when seed is a list (one per sample), so the same seeds and prompts give the same
+            samples whatever the timing of the blocks and the order rows finish in (up to the
+            floating-point effects of which rows share a forward). `Sample.seed` is seed[i].
+        max_num_seqs: rows decoding at once; 0 = all samples. The KV cache holds at most
+            this many rows of at most max_context positions plus one chunk, as a wave of as
+            many rows at most does: positions that no row attends to (left by finished rows,
+            waits and padding) are dropped once the cache would pass max_context or 5/4 of
+            its longest row.
         stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
             stalled with every live row waiting on a block.
         stateful: each block sees what the earlier blocks of its own trajectory defined
@@ -1276,7 +1291,9 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         progress: None; True for a tqdm bar of this call's samples; or a callable
             `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
             called with the number of tokens just sampled (done None) and with each
-            finished row (tokens 0; `done.blocks` as in `Sample.blocks`).
+            finished sample (tokens 0; done its `Sample`).
+        on_sample: called as on_sample(i, Sample) as soon as sample i finishes (a caller can
+            save it before the call returns).
     Returns:
         len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
     Raises:
@@ -1293,52 +1310,75 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
-    # row i draws from its own generator: its tokens depend on (seed, i) and its own logits,
-    # never on when other rows pause for their blocks
-    gens = [torch.Generator().manual_seed((seed * 1_000_003 + i) % 2 ** 63) for i in range(len(rows))]
+    # sample i draws from its own generator: its tokens depend on its seed and its own logits,
+    # never on when other rows pause for their blocks or which row's place it takes
+    seeds = list(seed) if isinstance(seed, list) else [(seed * 1_000_003 + i) % 2 ** 63 for i in range(len(rows))]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
     own_bar = progress is True
     progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
+
+    def finished(i):  # sample i is done: its row becomes its Sample, reported and handed over at once
+        rows[i] = _to_sample(rows[i], tokenizer, stops, seeds[i])
+        progress(0, rows[i])
+        on_sample(i, rows[i])
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
     with pool, torch.inference_mode():
         # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
-        #    turns) once, then each prompt's own rest, then give every sample its own cache rows
+        #    turns) once; every place in the batch starts from it
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        mask = torch.zeros((1 if shared else len(prompts), 0), dtype=torch.long, device=device)  # (B, 0)
+        mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
         if shared:
             _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
-            (mask,) = _repeat_rows(cache, len(prompts), mask)
-        logits, mask = _forward_chunk(model, cache, mask, [list(p[shared:]) for p in prompts], pad_id)
-        if n > 1:
-            logits, mask = _repeat_rows(cache, n, logits, mask)
-        live = list(range(len(rows)))  # batch position -> row index
-        need = [r.finish is None for r in rows]  # rows that sample from `logits`
+        slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
+        cache.batch_repeat_interleave(len(slots))
+        mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
+        # rows that sample from `logits`; the next sample to place; (prompt, row) of the last one
+        # placed; (row, row to copy from, prompt) of each placed now; a prompt's last logits
+        need, nxt, src, placed, first = [], 0, None, [], {}
 
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
             #    that closed a block sends it to the sandbox now and decodes on when it is back
             if idx := [b for b, w in enumerate(need) if w]:
-                tokens, logps = sample_next_token(logits[idx], [gens[live[b]] for b in idx], temperature, top_p, top_k)
+                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
                 progress(len(idx), None)
                 for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
-                    r = rows[live[b]]
+                    r = rows[slots[b]]
                     r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
                     if r.finish is None and r.code is not None:
                         r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
-            # 3) finished rows are reported and leave the batch (their cache rows are freed)
-            keep = [b for b, i in enumerate(live) if rows[i].finish is None]
-            for i in sorted(set(live) - {live[b] for b in keep}):
-                progress(0, rows[i])
-            if len(keep) < len(live):
+            # 3) finished rows are reported and free their place
+            for b, i in enumerate(slots):
+                if i is not None and rows[i].finish is not None:
+                    finished(i)
+                    slots[b] = None
+            # 4) the next samples take the free places. A sample of the prompt placed last reuses
+            #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
+            #    same place if it is free; any other keeps the shared prefix and prefills the rest
+            free = [b for b, i in enumerate(slots) if i is None]
+            while free and nxt < len(rows):
+                i, nxt = nxt, nxt + 1
+                if rows[i].finish is not None:  # no room for a token: never fed
+                    finished(i)
+                    continue
+                sibling = src is not None and src[0] == i // n
+                b = src[1] if sibling and src[1] in free else free[0]
+                mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
+                placed.append((b, src[1] if sibling else b, i // n))
+                free.remove(b)
+                slots[b], src = i, (i // n, b)
+            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
+                keep = [b for b, i in enumerate(slots) if i is not None]
                 if not keep:
                     break
-                k = torch.tensor(keep, device=device)
-                cache.batch_select_indices(k)
-                mask, live = mask[k], [live[b] for b in keep]
-            # 4) append the output of every block that has finished; if no row has anything
+                cache.batch_select_indices(torch.tensor(keep, device=device))
+                mask, slots = mask[keep], [slots[b] for b in keep]
+            # 5) append the output of every block that has finished; if no row has anything
             #    else to do, wait for the first one
-            running = [rows[i] for i in live if rows[i].running is not None]
-            if running and len(running) == len(live):
+            running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
+            if running and len(running) == len(slots) - slots.count(None):
                 t0 = time.perf_counter()
                 concurrent.futures.wait([r.running for r in running], return_when=concurrent.futures.FIRST_COMPLETED)
                 if stats is not None:
@@ -1346,17 +1386,34 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             for r in running:
                 if r.running.done():
                     r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
-            # each row feeds what the cache lacks (it holds its first `held` ids): its last sampled
-            # token, or the fence and the output block after a run; a row whose block runs feeds nothing
-            feeds = [[] if rows[i].running is not None or rows[i].finish is not None else rows[i].ids[held:]
-                     for i, held in zip(live, mask.sum(dim=1).tolist())]
-            need = [len(f) > 0 for f in feeds]
-            # 5) one forward over the ragged chunk (a token, or an output block)
-            if any(need):
+            # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
+            # the shared prefix, its last sampled token, or the fence and the output block after
+            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
+            # (in its sibling's own place, it holds more than its prompt already)
+            copied = {dst for dst, b, _ in placed if b != dst}
+            feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
+                     else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
+            # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
+            #    dropping the positions no row attends to if the cache would pass max_context or
+            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
+            if any(feeds):
+                width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
+                if real < mask.shape[1] and width > min(max_context, real + real // 4):
+                    mask = _compact(cache, mask)
                 logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
+            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
+            #    and its mask up to the prompt's end, and samples its first token from the logits
+            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
+            for dst, b, p in placed:
+                for layer in [x for x in cache.layers if x.is_initialized]:
+                    layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
+                mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
+                logits[dst] = first.setdefault(p, logits[dst].clone())
+            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
+            placed, first = [], {p: v for p, v in first.items() if p == src[0]}
     if own_bar:
         progress.close()
-    return [_to_sample(r, tokenizer, stops, seed) for r in rows]
+    return rows
 
 
 class LogLines:
@@ -1384,7 +1441,7 @@ def progress_bar(**tqdm_kwargs):
 
 class RolloutProgress:
     """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one
-    bar may span several rollout calls, e.g. a GRPO step's waves), model tokens per second,
+    bar may span several rollout calls), model tokens per second,
     code blocks run and how many of them failed (counted as their samples finish). With
     `disable` (ranks other than 0) it counts but shows nothing."""
 
@@ -1423,9 +1480,8 @@ def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_t
     piece = _decode_new(r, tokenizer)
     r.text += piece
     hit = _fence_stop(r.text, len(piece)) if piece else None
-    no_tokens_left = max_new_tokens and r.n_model >= max_new_tokens
     if hit is None:
-        return "length" if len(r.ids) >= max_context or no_tokens_left else None
+        return "length" if len(r.ids) >= max_context or max_new_tokens and r.n_model >= max_new_tokens else None
     kind, cut, r.code = hit
     _trim_to_fence(r, cut, tokenizer)
     if kind == "fake_output":  # the model wrote an output block itself: end the turn there

@@ -38,8 +38,9 @@ flags given now (budgets, --steps) apply. A prompt with no room for a token unde
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
 (executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout
-batch; 1 is on-policy (ratio exactly 1). --rollout-prompts: prompts a rollout wave per rank,
-whose x G sequences share the KV cache. --save-every: steps between writes of out/latest
+batch; 1 is on-policy (ratio exactly 1). --max-num-seqs: sequences decoding at once per rank
+(vLLM's max_num_seqs; continuous batching: a finished sequence's place goes to the next, and a
+group's G sequences share their prompt's prefill). --save-every: steps between writes of out/latest
 (a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 
@@ -48,7 +49,7 @@ Departures from the paper (which does not describe these details):
      from N (counted, logged), not replaced by more draws (DAPO's dynamic sampling).
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
-     bf16 copy synced every step, in waves of --rollout-prompts prompts per rank.
+     bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
 """
 import argparse, copy, hashlib, math, os, random, runpy, sys, time
 from dataclasses import dataclass
@@ -82,31 +83,24 @@ def mix_seed(*xs) -> int:
 
 
 # the flags grpo_step passes to collect_rollouts
-ROLLOUT_ARGS = ("group_size", "stateful", "rollout_prompts", "temperature", "top_p", "max_context", "max_new_tokens",
+ROLLOUT_ARGS = ("group_size", "stateful", "max_num_seqs", "temperature", "top_p", "max_context", "max_new_tokens",
                 "max_tool_calls")
 
 
 def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, seed: int, stateful: bool = False,
-                     rollout_prompts: int = 0, progress=None, rollout_fn=executor.rollout, **sampling):
+                     max_num_seqs: int = 0, progress=None, rollout_fn=executor.rollout, **sampling):
     """G = group_size samples per problem, prompt-major (result[i * G + j]), under the prompt
-    of `executor.stage_prompt_ids`, generated in waves of `rollout_prompts` prompts (0 = all),
-    longest prompts first. `sampling` (temperature, top_p, max_context, max_new_tokens,
-    max_tool_calls), stateful and progress are `executor.rollout`'s. Returns (samples,
-    seconds the sampler stalled waiting on code blocks; the rest of their execution overlaps
-    decoding)."""
+    of `executor.stage_prompt_ids`, in one rollout call: at most `max_num_seqs` rows decode
+    at once (0 = all) and a finished sample's place goes to the next one. `sampling`
+    (temperature, top_p, max_context, max_new_tokens, max_tool_calls), stateful and progress
+    are `executor.rollout`'s. Returns (samples, seconds the sampler stalled waiting on code
+    blocks; the rest of their execution overlaps decoding)."""
     stats = {}
     prompts = [executor.stage_prompt_ids(tokenizer, p["problem"], stateful) for p in problems]
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    wave, G = rollout_prompts or len(prompts), group_size
-    out = [None] * (len(prompts) * G)
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
-    for w in range(0, len(order), wave):
-        idx = order[w:w + wave]
-        got = rollout_fn(policy, tokenizer, [prompts[i] for i in idx], sandbox, n=G, seed=mix_seed(seed, w),
-                         stats=stats, stateful=stateful, progress=progress, **sampling)
-        for k, i in enumerate(idx):
-            out[i * G:(i + 1) * G] = got[k * G:(k + 1) * G]
+    out = rollout_fn(policy, tokenizer, prompts, sandbox, n=group_size, seed=seed, max_num_seqs=max_num_seqs,
+                     stats=stats, stateful=stateful, progress=progress, **sampling)
     policy.train(was_training)
     return out, stats.get("exec_wait_s", 0.0)
 
@@ -587,7 +581,7 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
-    p.add_argument("--rollout-prompts", type=executor.nonneg_int, default=4, help="prompts a wave a rank; 0 = all")
+    p.add_argument("--max-num-seqs", type=executor.nonneg_int, default=32, help="sequences at once a rank; 0 = all")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")

@@ -137,8 +137,6 @@ RESUME_CASES = [  # sft and grpo
     (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
 ]
 SAMPLER_CASES = [  # distill and evaluate
-    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
-    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, inf), got '-2'"),
     (["--limit", "-1"], "argument --limit: expected an integer in [0, inf), got '-1'"),
     (["--temperature", "-1"], "argument --temperature: expected a number in [0, inf), got '-1'"),
 ]
@@ -157,6 +155,8 @@ def _argv(base, case, files):
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
+    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
+    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, inf), got '-2'"),
     (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, 65536], got '0'"),
     (["--max-plan-share", "0"], "argument --max-plan-share: expected a number in (0, 1], got '0'"),
     (["--teacher", "no/such/model"], "argument --teacher: no/such/model: no such model folder or file"),
@@ -180,6 +180,7 @@ def test_distill_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
     (["--k", "0"], "argument --k: expected an integer in [1, 65536], got '0'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer in [1, inf), got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
@@ -195,7 +196,7 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + [
     (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, 65536], got '0'"),
-    (["--rollout-prompts", "-1"], "argument --rollout-prompts: expected an integer in [0, inf), got '-1'"),
+    (["--max-num-seqs", "-1"], "argument --max-num-seqs: expected an integer in [0, inf), got '-1'"),
     (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
     (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, inf), got '0'"),
     (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
@@ -307,17 +308,19 @@ def test_stages_refuse_each_others_run_folders(tiny_dir, files, tmp_path, capsys
 # 3) resume never mixes settings
 
 
-def test_evaluate_resume_refuses_another_k_or_batch_size(tiny_dir, tmp_path):
+def test_evaluate_resume_refuses_another_k_or_limit(tiny_dir, tmp_path):
     data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
     args = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
-                          "--batch-size", "2"])
+                          "--max-num-seqs", "2"])
     benches = ev.read_benchmarks(args.data, args.limit)
     done = {("b", "q0", 0): {**PROBLEMS[0], "benchmark": "b", "sample_idx": 0}}
     (tmp_path / "args.json").write_text(json.dumps({"stage": "evaluate", **vars(args)}))
     ev.check_resume(args, str(tmp_path), done, benches)  # the same command resumes
-    for flag, value, saved in (("k", 3, 2), ("batch_size", 1, 2), ("limit", 1, 0)):
+    args.max_num_seqs = 5
+    ev.check_resume(args, str(tmp_path), done, benches)  # and with more rows at once (changes no sample)
+    for flag, value, saved in (("k", 3, 2), ("limit", 1, 0)):
         other = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
-                               "--batch-size", "2", f"--{flag.replace('_', '-')}", str(value)])
+                               f"--{flag.replace('_', '-')}", str(value)])
         with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
             ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
 

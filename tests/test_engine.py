@@ -372,14 +372,16 @@ def test_shared_prefix_len():
 
 def test_shared_prefix_is_prefilled_once_and_changes_no_sample(model, tokenizer, sandbox):
     """Prompts with a common 3-shot-like prefix: the first forward holds the prefix once
-    (batch 1), and greedy samples and their logprobs equal those of each prompt alone."""
+    (batch 1), the next feeds each prompt's rest once (the second sample of each copies its
+    KV rows), and greedy samples and their logprobs equal those of each prompt alone."""
     head = enc(tokenizer, "Solve each problem with code. Example: 2 + 2 = 4, 3 * 3 = 9, 10 - 7 = 3. ")
     prompts = [head + enc(tokenizer, q) for q in ("What is 7 * 6?", "Count primes below 30.", "x")]
-    shapes = []
+    shapes, fed = [], []
     real_forward = model.forward
 
     def spy(*args, **kw):
         shapes.append(tuple(kw["input_ids"].shape))
+        fed.append(kw["attention_mask"][:, -shapes[-1][1]:].sum(dim=1).tolist())
         return real_forward(*args, **kw)
 
     model.forward = spy
@@ -388,7 +390,9 @@ def test_shared_prefix_is_prefilled_once_and_changes_no_sample(model, tokenizer,
     finally:
         del model.forward
     assert shapes[0] == (1, ex.shared_prefix_len(prompts)) and shapes[0][1] >= len(head) - 1
-    assert shapes[1] == (3, max(len(p) for p in prompts) - shapes[0][1])
+    assert shapes[1] == (6, max(len(p) for p in prompts) - shapes[0][1])
+    assert fed[1] == [len(prompts[0]) - shapes[0][1], 0, len(prompts[1]) - shapes[0][1], 0,
+                      len(prompts[2]) - shapes[0][1], 0]
     for i, p in enumerate(prompts):
         alone = ex.rollout(model, tokenizer, [p], sandbox, temperature=0, max_new_tokens=12)[0]
         for s in both[2 * i:2 * i + 2]:
@@ -640,3 +644,98 @@ def test_code_is_decoded_without_clean_up_of_spaces_G17(sandbox):
     assert s.blocks[0]["code"] == code
     assert s.blocks[0]["output"] == "a ,b ! 1\n" and s.blocks[0]["status"] == "ok"
     assert s.text.startswith("Plan.\n```python\n" + code)
+
+
+# -- continuous batching: more samples than rows, a finished row's place refilled ---------
+
+def _spy_forward(model):
+    """Wrap model.forward; returns the list of (batch rows, tokens fed per row, mask width) per call."""
+    calls, real = [], model.forward
+
+    def spy(**kw):
+        L = kw["input_ids"].shape[1]
+        calls.append((kw["input_ids"].shape[0], kw["attention_mask"][:, -L:].sum(dim=1).tolist(),
+                      kw["attention_mask"].shape[1]))
+        return real(**kw)
+    model.forward = spy
+    return calls
+
+
+def test_more_samples_than_rows_each_as_alone_in_order(model, tokenizer, sandbox):
+    """Five prompts (a shared system prompt, ragged questions) x 2 samples through 3 rows:
+    rows end at max_context after 12..36 tokens, so places are refilled at different steps,
+    by a new prompt (prefix kept) or by the second sample of a prompt (KV rows copied).
+    Every sample comes back in order with the ids, roles and logprobs it gets alone; the
+    batch never holds more than 3 rows nor a mask wider than max_context plus one chunk."""
+    qs = ["x", "Count them.", "How many integers up to 100?", "Find all n with n^2 < 50 and n odd, then sum.",
+          "How many integers n between 1 and 100 are divisible by 3 or 5? Compute the sum."]
+    prompts = [ex.build_prompt_ids(tokenizer, q) for q in qs]
+    max_context = max(map(len, prompts)) + 12
+    assert sorted(max_context - len(p) for p in prompts)[-1] >= 30
+    kw = dict(temperature=0.0, max_context=max_context)
+    calls = _spy_forward(model)
+    try:
+        got = ex.rollout(model, tokenizer, prompts, sandbox, n=2, max_num_seqs=3, **kw)
+    finally:
+        del model.forward
+    assert len(got) == 10
+    assert max(c[0] for c in calls) == 3
+    assert max(c[2] for c in calls) <= max_context + max(map(len, prompts))
+    for i, p in enumerate(prompts):
+        alone = ex.rollout(model, tokenizer, [p], sandbox, **kw)[0]
+        assert alone.finish_reason == "length" and len(alone.ids) == max_context
+        for s in got[2 * i:2 * i + 2]:
+            assert s.prompt_ids == p and s.ids == alone.ids and s.roles == alone.roles
+            lp, ref = torch.tensor(s.logprobs), torch.tensor(alone.logprobs)
+            assert torch.equal(lp.isnan(), ref.isnan())
+            assert (lp - ref).nan_to_num().abs().max().item() < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_a_place_is_refilled_while_another_row_waits_on_its_block(tokenizer, sandbox):
+    """Two rows for three scripted samples: A's block sleeps 1.5 s; B answers at once; C
+    takes B's place, is prefilled and writes its whole answer while A still waits (waves
+    would start C only after A). Finishing order B, C, A; each sample exactly its script."""
+    tok, eos = tokenizer, tokenizer.eos_token_id
+    base = tiny.make_model(tok)
+    pa, pb, pc = enc(tok, "Problem A:"), enc(tok, "Problem B, longer:"), enc(tok, "Count them: C")
+    a = pa + enc(tok, "```python\nimport time\ntime.sleep(1.5)\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
+        + enc(tok, "\\boxed{1}") + [eos]
+    b = pb + enc(tok, "\\boxed{2}") + [eos]
+    c = pc + enc(tok, "So the answer is " + "very " * 10 + "clearly \\boxed{3}") + [eos]
+    model = Scripted(base, [a, b, c], eos)
+    order = []
+    calls = _spy_forward(model)
+    sa, sb, sc = ex.rollout(model, tok, [pa, pb, pc], sandbox, temperature=0.0, max_new_tokens=200, max_num_seqs=2,
+                            progress=lambda tokens, done=None: done is not None and order.append(done.prompt_ids))
+    assert (sa.ids, sb.ids, sc.ids) == (a, b, c)
+    assert sa.blocks[0]["output"] == "1\n" and sc.blocks == []
+    assert order == [pb, pc, pa]
+    assert max(n for n, _, _ in calls) == 2
+    # C's prompt is fed in B's place (row 1), then C decodes while A (row 0) waits on its block;
+    # A's output block goes in after C has left (the batch is down to one row)
+    i = next(k for k, (_, fed, _) in enumerate(calls) if fed[1] == len(pc))
+    assert sum(1 for _, fed, _ in calls[i + 1:] if fed == [0, 1]) >= 10, calls
+    assert next(fed for _, fed, _ in calls if len(fed) == 1)[0] > 1
+
+
+def test_a_groups_samples_placed_one_by_one_share_one_prefill(model, tokenizer, sandbox):
+    """One row for a group of 4 samples: each starts only when the one before ends, yet the
+    prompt is fed once (the next sample reuses its KV rows and last logits), and the samples
+    equal those of all 4 rows at once with the same seed (own generators)."""
+    prompt = ex.build_prompt_ids(tokenizer, "Count the pairs.")
+    kw = dict(n=4, temperature=1.0, max_new_tokens=6, seed=5)
+    calls = _spy_forward(model)
+    try:
+        one = ex.rollout(model, tokenizer, [prompt], sandbox, max_num_seqs=1, **kw)
+    finally:
+        del model.forward
+    assert all(n == 1 for n, _, _ in calls)
+    assert [fed for _, fed, _ in calls if fed[0] > 1] == [[len(prompt)]]
+    assert sum(fed[0] for _, fed, _ in calls) == len(prompt) + sum(s.n_model_tokens - 1 for s in one)
+    together = ex.rollout(model, tokenizer, [prompt], sandbox, **kw)
+    assert [s.ids for s in one] == [s.ids for s in together] and len({s.ids[len(prompt)] for s in one}) > 1
+    assert [s.seed for s in one] == [(5 * 1_000_003 + i) % 2 ** 63 for i in range(4)]
+    for s, t in zip(one, together):
+        lp, ref = torch.tensor(s.logprobs), torch.tensor(t.logprobs)
+        assert (lp - ref).nan_to_num().abs().max().item() < 1e-5

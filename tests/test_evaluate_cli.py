@@ -2,8 +2,8 @@
 a killed run resumed, 2 ranks (torchrun, gloo) against 1, and clean input errors.
 
 The model runs in subprocesses (the real CLI); one single-process run is shared by the
-tests of this module. Sampling is at temperature 1.0: per-wave seeds, not greedy
-decoding, are what make 1 rank and 2 ranks agree.
+tests of this module. Sampling is at temperature 1.0: per-sample seeds, not greedy
+decoding, are what make 1 rank and 2 ranks (or any --max-num-seqs) agree.
 """
 import json
 import os
@@ -19,12 +19,12 @@ import executor as ex
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "evaluate.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")   # same kernels (and threads) in every run
-# 3 problems in 2 benchmarks, k = 2, 2 problems per wave: waves (b1: p1, p2) and (b2: q1)
+# 3 problems in 2 benchmarks, k = 2: 6 samples through 3 rows (places refilled as samples finish)
 B1 = [{"id": "p1", "problem": "What is 1 + 1?", "answer": "2"},
       {"id": "p2", "problem": "How many integers up to 100 are divisible by 3 or 5?", "answer": "47"}]
 B2 = [{"id": "q1", "problem": "Compute 1 + 2 + ... + 10.", "answer": "55"}]
 SAMPLING = ["--k", "2", "--temperature", "1.0", "--max-context", "600", "--max-new-tokens", "24",
-            "--max-tool-calls", "2", "--batch-size", "2", "--exec-workers", "1"]
+            "--max-tool-calls", "2", "--max-num-seqs", "3", "--exec-workers", "1"]
 
 
 def _write_jsonl(path, rows):
@@ -32,8 +32,8 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
-def _cli(data, out, model, launcher=(sys.executable,), timeout=120):
-    cmd = [*launcher, SCRIPT, "--model", model, "--data", *data, *SAMPLING, "--out", str(out)]
+def _cli(data, out, model, launcher=(sys.executable,), timeout=120, extra=()):
+    cmd = [*launcher, SCRIPT, "--model", model, "--data", *data, *SAMPLING, *extra, "--out", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
 
 
@@ -59,10 +59,9 @@ def test_end_to_end_then_from_samples_gives_identical_metrics(single, tmp_path):
     rows = ev.load_samples(str(out / "samples.jsonl"))   # checks fields, no duplicate key
     assert [(r["benchmark"], r["id"], r["sample_idx"]) for r in rows] == [
         ("b1", "p1", 0), ("b1", "p1", 1), ("b1", "p2", 0), ("b1", "p2", 1), ("b2", "q1", 0), ("b2", "q1", 1)]
-    # each row names the rollout call that reproduces it
-    assert [r["rollout_ids"] for r in rows] == [["p1", "p2"]] * 4 + [["q1"]] * 2
-    assert all(r["rollout_n"] == 2 for r in rows)
-    assert rows[0]["seed"] == ev.wave_seed(0, "b1", ["p1", "p2"], 2) != rows[4]["seed"]
+    # each row's seed is its own generator's: from --seed, the benchmark, the problem id and j alone
+    assert [r["seed"] for r in rows] == [ev.sample_seed(0, r["benchmark"], r["id"], r["sample_idx"]) for r in rows]
+    assert len({r["seed"] for r in rows}) == 6 and "rollout_ids" not in rows[0]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["args"]["k"] == 2 and metrics["args"]["data"] == data
     assert json.loads((out / "args.json").read_text()) == metrics["args"]
@@ -82,8 +81,9 @@ def test_end_to_end_then_from_samples_gives_identical_metrics(single, tmp_path):
 def test_killed_run_resumes_with_each_sample_once_and_identical(single, tmp_path):
     """The folder a killed run leaves: this rank's file with a torn last line, a file from
     an earlier 2-rank attempt, and a row already merged into samples.jsonl (a crash after
-    the merge). Both waves lack a sample, so both rerun whole and keep only what is
-    missing: the result equals the uninterrupted run byte for byte."""
+    the merge). Each problem that lacks a sample is sampled whole again (its seeds
+    reproduce the saved ones), and only what is missing is kept: the result equals the
+    uninterrupted run byte for byte."""
     data, out, model, _ = single
     full = (out / "samples.jsonl").read_text().splitlines(keepends=True)
     res = tmp_path / "resumed"
@@ -100,7 +100,7 @@ def test_killed_run_resumes_with_each_sample_once_and_identical(single, tmp_path
     assert _benchmarks(res) == _benchmarks(out)
     # a rerun of a finished run samples nothing and changes nothing
     r = _cli(data, res, model)
-    assert r.returncode == 0 and "6 samples already" in r.stdout and "] wave " not in r.stdout
+    assert r.returncode == 0 and "6 samples already" in r.stdout and "] sampled " not in r.stdout
     assert (res / "samples.jsonl").read_text() == "".join(full)
 
 
@@ -110,20 +110,45 @@ def test_two_ranks_gather_the_same_samples_and_metrics(single, tmp_path):
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
     r = _cli(data, tmp_path, model, launcher=launcher, timeout=140)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[rank 0] wave 1/1 (b1" in r.stdout and "[rank 1] wave 1/1 (b2" in r.stdout
+    # rank 0 samples problems 0 and 2 (p1, q1), rank 1 problem 1 (p2)
+    assert "[rank 0] sampled 2 problems x 2" in r.stdout and "[rank 1] sampled 1 problems x 2" in r.stdout
     assert not [n for n in os.listdir(tmp_path) if n.startswith("samples.rank")]
     assert (tmp_path / "samples.jsonl").read_text() == (out / "samples.jsonl").read_text()
     assert _benchmarks(tmp_path) == _benchmarks(out)
 
 
-def test_waves_do_not_depend_on_ranks():
-    benches = {"a": [{"id": str(i)} for i in range(5)], "b": [{"id": "x"}]}
-    waves = ev.make_waves(benches, batch_size=2, k=3, seed=7)
-    assert [(w["benchmark"], [q["id"] for q in w["problems"]]) for w in waves] == [
-        ("a", ["0", "1"]), ("a", ["2", "3"]), ("a", ["4"]), ("b", ["x"])]
-    assert len({w["seed"] for w in waves}) == 4
-    assert ev.make_waves(benches, 2, 3, 7) == waves and ev.make_waves(benches, 2, 3, 8) != waves
-    assert ev.wave_keys(waves[2], 3) == [("a", "4", 0), ("a", "4", 1), ("a", "4", 2)]
+def test_sample_seeds_depend_on_the_sample_alone():
+    seeds = {(b, i, j): ev.sample_seed(7, b, i, j) for b in ("a", "b") for i in ("0", "1") for j in range(3)}
+    assert len(set(seeds.values())) == 12 and all(0 <= s < 2 ** 60 for s in seeds.values())
+    assert ev.sample_seed(7, "a", "1", 2) == seeds["a", "1", 2] != ev.sample_seed(8, "a", "1", 2)
+
+
+@pytest.mark.timeout(150)
+def test_a_resume_across_a_change_of_batching(single, tmp_path):
+    """A run killed after 3 samples, resumed with another --max-num-seqs (1: one sample at a
+    time, each group's samples placed one by one): the same samples as the uninterrupted run
+    (3 rows), byte for byte. A folder whose samples were drawn in waves of --batch-size (rows
+    with rollout_ids) is refused in one line: its seeds are not this version's."""
+    data, out, model, _ = single
+    full = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    res = tmp_path / "resumed"
+    res.mkdir()
+    shutil.copy(out / "args.json", res / "args.json")
+    (res / "samples.rank0.jsonl").write_text(full[0] + full[3] + full[4])
+    r = _cli(data, res, model, extra=("--max-num-seqs", "1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "3 samples already" in r.stdout and "<= 1 at once" in r.stdout
+    assert (res / "samples.jsonl").read_text() == "".join(full)
+    waves = tmp_path / "waves"
+    waves.mkdir()
+    args = json.loads((out / "args.json").read_text())
+    del args["max_num_seqs"]
+    (waves / "args.json").write_text(json.dumps({**args, "batch_size": 2}))
+    old = [dict(json.loads(line), rollout_ids=["p1", "p2"], rollout_n=2) for line in full[:2]]
+    (waves / "samples.rank0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
+    r = _cli(data, waves, model)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"evaluate.py: error: {waves}: sample ('b1', 'p1', 0) was drawn in waves, with other seeds: use another --out"]
 
 
 @pytest.mark.timeout(30)

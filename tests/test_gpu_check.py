@@ -44,7 +44,7 @@ def test_dry_run_runs_every_row_without_error(dry_run):
     assert [r.get("error") for r in report["rows"] if "error" in r] == [] and n_errors == 0
     labels = [r["row"] for r in report["rows"]]
     assert labels == [label for label, *_ in gpu_check.plan(gpu_check.DRY)]
-    assert len(labels) == 2 * 3 + 1 + 4 + 1 + 4
+    assert len(labels) == 2 * 3 + 1 + 1 + 4 + 1 + 4
     for label in labels:
         assert any(line.startswith(label) for line in stdout.splitlines()), label
     assert report["dry_run"] is True and report["device"] == "cpu"
@@ -73,6 +73,17 @@ def test_rollout_row_runs_three_tool_turns_identical_to_the_baseline(dry_run):
     assert (r["rows"], r["tool_calls"], r["same_ids"]) == (16, 3, True)
 
 
+def test_batching_row_compares_waves_and_continuous_on_the_same_samples(dry_run):
+    _, report, _ = dry_run
+    (r,) = [r for r in report["rows"] if r["row"].startswith("batching")]
+    # 32 samples (4 prompts x G 8), 16 rows, a 32-token budget; a sample at the budget wrote 32
+    # tokens, any other 2, 4, 6 or 8 and EOS; both sides drew the same samples (same seeds)
+    assert (r["samples"], r["rows"], r["budget"], r["same_ids"]) == (32, 16, 32, True)
+    short = r["model_tokens"] - 32 * r["at_budget"]
+    assert 0 < r["at_budget"] < 32 and 3 * (32 - r["at_budget"]) <= short <= 9 * (32 - r["at_budget"])
+    assert 0 < r["waves_occupancy"] < r["continuous_occupancy"] <= 1 and r["speedup"] > 0
+
+
 def test_training_rows_count_their_loss_tokens(dry_run):
     _, report, _ = dry_run
     grpo_rows = [r for r in report["rows"] if r["row"].startswith("grpo")]
@@ -96,7 +107,7 @@ def test_fit_row_from_the_measured_training_state(dry_run):
     assert r["resident_gib"] * gpu_check.GiB == pytest.approx(resident, rel=1e-12)
     capacity = r["capacity_gib"] * gpu_check.GiB
     assert r["sequences"] == int((0.9 * capacity - resident) // (kv * 256))
-    assert r["rollout_prompts"] == r["sequences"] // 8
+    assert r["max_num_seqs"] == r["sequences"] and r["share_of_step"] == min(1.0, r["sequences"] / (16 * 8))
 
 
 def test_a_failing_row_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):

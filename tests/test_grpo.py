@@ -36,7 +36,7 @@ from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PROMPT, Sample  # noqa: E402
 def make_args(*extra, **kw):
     """grpo's argparse defaults for a tiny CPU run, overridden by keyword (dashes as _)."""
     base = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "micro_batch": 4,
-            "rollout_prompts": 0, "lr": 1e-2, "save_every": 0}
+            "max_num_seqs": 0, "lr": 1e-2, "save_every": 0}
     base.update(kw)
     argv = ["--out", "unused"] + list(extra)  # the default --data (a parse checks that it exists)
     args = grpo.parse_args(argv)

@@ -35,7 +35,7 @@ def reward(samples, problems):
 def bench_ours(lm, tok, problems, a, device):
     args = grpo.parse_args(["--out", "-"])
     args.prompts_per_step, args.group_size, args.max_new_tokens = a.prompts, a.group, a.new_tokens
-    args.micro_batch, args.rollout_prompts, args.lr, args.max_tool_calls = a.micro_batch, 0, 1e-6, 0
+    args.micro_batch, args.max_num_seqs, args.lr, args.max_tool_calls = a.micro_batch, 0, 1e-6, 0
     d = grpo.Dist(device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
     policy = copy.deepcopy(lm).to(device=device, dtype=torch.bfloat16 if d.autocast_dtype else torch.float32).eval()
     model = lm.to(device).train()

@@ -12,10 +12,15 @@ that fails, e.g. out of memory, is recorded as an error and the others still run
   rollout  3 tool turns at batch 32 (4 prompts x G 8) over 2K-token histories, real
            sandbox: the engine continues from its KV cache; the baseline calls `generate`
            once per turn on the whole history (a fresh prefill each turn).
+  batching continuous batching against waves at 32 rows (bench_rollout.py (c)): 128
+           samples (16 prompts x G 8), each drawing its length: about a quarter run to a
+           512-token budget, the rest stop after 32..128 tokens; waves of 4 prompts (one
+           rollout call each) against one call with max_num_seqs=32: tokens/s, wall time,
+           mean occupancy, peak memory.
   grpo     one `grpo.update_policy` step (2 sequences, micro-batch 1) at 4B shapes, 8K and
            16K tokens per sequence, with and without --grad-checkpointing: time, peak memory.
            The bf16 rollout copy stays resident, as in grpo.py.
-  fit      the largest --rollout-prompts at G 8 whose 16K-token KV caches fit beside the 4B
+  fit      the largest --max-num-seqs whose 16K-token KV caches fit beside the 4B
            training state (fp32 weights + AdamW + bf16 rollout copy) in 90% of the device.
   sft      one `sft.backward_step` + AdamW step (1 sequence) at 16K and 32K, with and
            without checkpointing.
@@ -37,7 +42,6 @@ Prints one line per row and writes every row (after each row) to --out as JSON
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -49,7 +53,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, Qw
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]
+import bench_rollout  # noqa: E402
 import executor as ex  # noqa: E402
 import grpo  # noqa: E402
 import sft  # noqa: E402
@@ -69,9 +74,10 @@ TINY = {"tiny-a": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=
 # lengths in tokens; "big" is the model that is trained (the paper's 4B)
 PAPER = dict(models=QWEN3, big="qwen3-4b", vocab=151936, batches=(1, 8, 32), prompt=128, new=128, group=8,
              rollout_batch=32, history=2048, turn=128, grpo=(8192, 16384), sft=(16384, 32768), context=16384,
-             copy_mib=4096)
+             copy_mib=4096, tail=(128, 512, 128))
 DRY = dict(models=TINY, big="tiny-b", vocab=512, batches=(1, 8, 32), prompt=16, new=8, group=8,
-           rollout_batch=16, history=64, turn=16, grpo=(64, 128), sft=(128, 256), context=256, copy_mib=64)
+           rollout_batch=16, history=64, turn=16, grpo=(64, 128), sft=(128, 256), context=256, copy_mib=64,
+           tail=(32, 32, 8))
 GiB = 1 << 30
 # what the stages' parse_args require; nothing is read from or written to them here
 STAGE_ARGS = ["--data", os.path.join(ROOT, "data", "demo_problems.jsonl"),
@@ -332,6 +338,25 @@ def rollout_row(ctx, turns=3):
                 speedup=t_gen / t_ours, same_ids=all(s.ids == h for s, h in zip(out, hist)))
 
 
+def batching_row(ctx):
+    """Waves against continuous batching at the same rows on bench_rollout.py (c)'s
+    long-tailed workload, S["tail"] = (samples, budget, short), forced greedy tokens."""
+    lm, S = ctx.get(("policy", ctx.S["big"])), ctx.S
+    (n, budget, short), rows = S["tail"], S["rollout_batch"]
+    model, prompts = bench_rollout.long_tail(lm, ctx.tok, n, S["group"], budget, short)
+    run = lambda p, b, waves: bench_rollout.waves_or_continuous(model, ctx.tok, p, ctx.sandbox, S["group"],  # noqa: E731
+                                                                rows, b, waves)
+    run(prompts[:rows // S["group"]], 4, False)  # warm-up
+    got = {name: measured(ctx, lambda: run(prompts, budget, name == "waves")) for name in ("waves", "continuous")}
+    (t_w, peak_w, (wav, occ_w)), (t_c, peak_c, (cont, occ_c)) = got["waves"], got["continuous"]
+    tokens = sum(s.n_model_tokens for s in cont)
+    return dict(samples=n, rows=rows, budget=budget, at_budget=sum(s.finish_reason == "length" for s in cont),
+                model_tokens=tokens, waves_s=t_w, continuous_s=t_c, waves_tok_s=tokens / t_w,
+                continuous_tok_s=tokens / t_c, waves_occupancy=occ_w, continuous_occupancy=occ_c,
+                waves_peak_gib=peak_w, continuous_peak_gib=peak_c, speedup=t_w / t_c,
+                same_ids=[s.ids for s in wav] == [s.ids for s in cont])
+
+
 def grpo_row(ctx, length, ckpt):
     model, opt = ctx.get("trainer")
     checkpointing = set_checkpointing(ctx, model, ckpt)
@@ -366,10 +391,9 @@ def fit_row(ctx, prompts_per_rank=16):
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     kv = kv_bytes_per_token(ctx, policy)
     seqs = int((0.9 * capacity - resident) // (kv * ctx.S["context"]))
-    per_wave = seqs // ctx.S["group"]
     return dict(capacity_gib=capacity / GiB, resident_gib=resident / GiB, kv_bytes_per_token=kv,
-                context=ctx.S["context"], sequences=seqs, rollout_prompts=per_wave,
-                waves_per_step=math.ceil(prompts_per_rank / per_wave) if per_wave > 0 else None)
+                context=ctx.S["context"], sequences=seqs, max_num_seqs=seqs,
+                share_of_step=min(1.0, seqs / (prompts_per_rank * ctx.S["group"])))
 
 
 def plan(S):
@@ -377,6 +401,7 @@ def plan(S):
     big = ("policy", S["big"])
     rows = [(f"decode {m} b{b}", {("policy", m)}, decode_row, (m, b)) for m in S["models"] for b in S["batches"]]
     rows.append((f"rollout {S['big']} b{S['rollout_batch']}", {big}, rollout_row, ()))
+    rows.append((f"batching {S['big']} b{S['rollout_batch']}", {big}, batching_row, ()))
     rows += [(f"grpo {L} ckpt={int(c)}", {big, "trainer"}, grpo_row, (L, c)) for c in (False, True) for L in S["grpo"]]
     rows.append((f"fit {S['big']} @{S['context']}", {big, "trainer"}, fit_row, ()))
     rows += [(f"sft {L} ckpt={int(c)}", {"trainer"}, sft_row, (L, c)) for c in (False, True) for L in S["sft"]]
@@ -395,7 +420,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="GPU check of the paper-scale path")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (seconds on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rows", default="", help="comma-separated label prefixes to run (decode,rollout,grpo,fit,sft)")
+    p.add_argument("--rows", default="", help="comma-separated label prefixes to run "
+                   "(decode,rollout,batching,grpo,fit,sft)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "gpu_check.json"),
                    help="JSON report path")
     a = p.parse_args(argv)
