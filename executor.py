@@ -843,15 +843,24 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
-    if kw:  # transformers keeps a GGUF quantizer on the model, which blocks save_pretrained
-        model.hf_quantizer = None
-        model.config.quantization_config = None  # (an instance attribute now, so del removes it)
-        del model.config.quantization_config
+    drop_gguf_marker(model)
     if tie:
         tie_output_head(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def drop_gguf_marker(model):
+    """Clear the GGUF quantizer marker that transformers keeps on a model loaded from a
+    .gguf file (its weights are dense already), which would block `save_pretrained`: the
+    model then saves as plain safetensors. Any other model is left as it is."""
+    qc = getattr(model.config, "quantization_config", None) \
+        or getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if "gguf" in str(getattr(qc, "quant_method", qc)).lower():
+        assert all(p.is_floating_point() for p in model.parameters()), "GGUF weights still quantized"
+        model.hf_quantizer = None
+        vars(model.config).pop("quantization_config", None)
 
 
 def tie_output_head(model):
