@@ -143,7 +143,7 @@ def parse_args(argv=None):
     p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
     p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER, help="HF dir, .gguf or packaged name")
-    p.add_argument("--data", type=ex.input_file, default=f"{DATA}/demo_problems.jsonl", help="problems JSONL")
+    p.add_argument("--data", type=ex.input_file, default=ex.DEMO_PROBLEMS, help="problems JSONL")
     p.add_argument("--out", default="runs/distill/traj.jsonl", help="kept trajectories; the other files go beside it")
     p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")

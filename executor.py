@@ -735,12 +735,10 @@ Every block is a complete program run on its own: nothing (variables, imports, f
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
-# --stateful (Sandbox.run's history): the same prompt, with the sentence on blocks for that policy
-SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(
-    "Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, "
-    "so each block imports and defines what it needs.",
+# --stateful (Sandbox.run's history): the same prompt, its fourth line (on blocks) for that policy
+SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(SYSTEM_PROMPT.split("\n")[3], (
     "The blocks run one after another as one program: variables, imports and functions of earlier blocks "
-    "are still defined, and each output shows only what that block printed.")
+    "are still defined, and each output shows only what that block printed."))
 
 ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 
@@ -758,6 +756,8 @@ PACKAGED_MODELS = {
                          sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
+# every stage's default --data
+DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 # tied_head: upstream ties the output head to the input embeddings, but the GGUF stores two
 # quantised copies of that one matrix (see `tie_output_head`)
 
