@@ -756,10 +756,11 @@ PACKAGED_MODELS = {
                          sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
-# every stage's default --data
-DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 # tied_head: upstream ties the output head to the input embeddings, but the GGUF stores two
 # quantised copies of that one matrix (see `tie_output_head`)
+
+# every stage's default --data
+DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 
 
 def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
