@@ -40,10 +40,8 @@ from collections import Counter
 from datetime import timedelta
 from statistics import fmean
 
-import torch.distributed as dist
-
 import executor as ex
-from sft import cleanup_distributed, print0, setup_distributed
+from sft import barrier, cleanup_distributed, print0, setup_distributed
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -145,7 +143,7 @@ def parse_args(argv=None):
     p = ex.ArgumentParser(description="Distil THINC trajectories from a 3-shot teacher.")
     # data
     p.add_argument("--teacher", type=ex.model_path, default=ex.DEFAULT_TEACHER, help="HF dir, .gguf or packaged name")
-    p.add_argument("--data", type=ex.input_file, default=f"{DATA}/demo_problems.jsonl", help="problems JSONL")
+    p.add_argument("--data", type=ex.input_file, default=ex.DEMO_PROBLEMS, help="problems JSONL")
     p.add_argument("--out", default="runs/distill/traj.jsonl", help="kept trajectories; the other files go beside it")
     p.add_argument("--exemplars", type=ex.input_file, default=f"{DATA}/exemplars.jsonl", help="few-shot turns JSONL")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="use the first N problems only; 0 = all")
@@ -195,7 +193,6 @@ def main(argv=None):
     # gloo even on GPUs: the only collectives are two barriers, which ranks may reach hours
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
-    barrier = dist.barrier if world > 1 else (lambda: None)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})

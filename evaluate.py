@@ -361,11 +361,10 @@ SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout",
 
 def parse_args(argv=None):
     p = ex.ArgumentParser(description="THINC evaluation: k samples per problem, avg@k, pass@k, maj@k, diagnostics.")
-    demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
     # model and data
     p.add_argument("--model", type=ex.model_path, default=ex.DEFAULT_POLICY, help="HF dir, .gguf or packaged name")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="None: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file, default=[demo],
+    p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file, default=[ex.DEMO_PROBLEMS],
                    help="problems files, one benchmark each (named by the file stem)")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")

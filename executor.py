@@ -735,12 +735,10 @@ Every block is a complete program run on its own: nothing (variables, imports, f
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
-# --stateful (Sandbox.run's history): the same prompt, with the sentence on blocks for that policy
-SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(
-    "Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, "
-    "so each block imports and defines what it needs.",
+# --stateful (Sandbox.run's history): the same prompt, its fourth line (on blocks) for that policy
+SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(SYSTEM_PROMPT.split("\n")[3], (
     "The blocks run one after another as one program: variables, imports and functions of earlier blocks "
-    "are still defined, and each output shows only what that block printed.")
+    "are still defined, and each output shows only what that block printed."))
 
 ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 
@@ -760,6 +758,9 @@ PACKAGED_MODELS = {
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 # tied_head: upstream ties the output head to the input embeddings, but the GGUF stores two
 # quantised copies of that one matrix (see `tie_output_head`)
+
+# every stage's default --data
+DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 
 
 def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
@@ -843,15 +844,24 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
-    if kw:  # transformers keeps a GGUF quantizer on the model, which blocks save_pretrained
-        model.hf_quantizer = None
-        model.config.quantization_config = None  # (an instance attribute now, so del removes it)
-        del model.config.quantization_config
+    drop_gguf_marker(model)
     if tie:
         tie_output_head(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def drop_gguf_marker(model):
+    """Clear the GGUF quantizer marker that transformers keeps on a model loaded from a
+    .gguf file (its weights are dense already), which would block `save_pretrained`: the
+    model then saves as plain safetensors. Any other model is left as it is."""
+    qc = getattr(model.config, "quantization_config", None) \
+        or getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if "gguf" in str(getattr(qc, "quant_method", qc)).lower():
+        assert all(p.is_floating_point() for p in model.parameters()), "GGUF weights still quantized"
+        model.hf_quantizer = None
+        vars(model.config).pop("quantization_config", None)
 
 
 def tie_output_head(model):

@@ -561,8 +561,7 @@ def parse_args(argv=None):
     # model and data
     p.add_argument("--model", type=executor.model_path, default=executor.DEFAULT_POLICY,
                    help="policy to start from: HF dir, .gguf file or packaged model name; ignored with --resume")
-    p.add_argument("--data", type=executor.input_file,
-                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl"),
+    p.add_argument("--data", type=executor.input_file, default=executor.DEMO_PROBLEMS,
                    help="problems JSONL: id, problem, answer; a prompt with no room under --max-context is skipped")
     p.add_argument("--out", default="runs/grpo", help="output dir: checkpoints, metrics.jsonl, pass_rates.jsonl")
     p.add_argument("--resume", help="checkpoint dir (out/latest) to continue; the flags given now apply")

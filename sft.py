@@ -79,7 +79,8 @@ def cleanup_distributed():
         dist.destroy_process_group()
 
 
-def _barrier():
+def barrier():
+    """Wait for every rank (nothing to wait for on one process)."""
     if dist.is_initialized():
         dist.barrier()
 
@@ -182,15 +183,13 @@ def wrap_model(model: nn.Module, device, fsdp: bool = False, grad_checkpointing:
     return fully_shard(LogprobModel(model), mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, lm_head
 
 
-@contextlib.contextmanager
 def grad_sync(model: nn.Module, sync: bool):
     """Context for one micro-step's forward and backward. Under DDP with sync=False,
     gradients are only accumulated locally: all-reducing on every micro-step would send the
     same bytes `accum` times for nothing, so we sync once, on the last micro-step. FSDP
     reduce-scatters every micro-step (skipping it would keep full unsharded gradients in
     memory, which is what FSDP is used to avoid). Without a wrapper it does nothing."""
-    with model.no_sync() if _is_ddp(model) and not sync else contextlib.nullcontext():
-        yield
+    return model.no_sync() if _is_ddp(model) and not sync else contextlib.nullcontext()
 
 # -----------------------------------------------------------------------------
 # Logprobs and loss
@@ -473,7 +472,7 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     try:  # a full disk or Ctrl-C leaves no partial <dir>.tmp behind
         sd = full_state_dict(model)
         if trainer_state is not None:
@@ -491,26 +490,21 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
             torch.save(state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
         if rank == 0:
             lm = unwrap_model(model)
-            qc = getattr(lm.config, "quantization_config", None) \
-                or getattr(getattr(lm, "hf_quantizer", None), "quantization_config", None)
-            if "gguf" in str(getattr(qc, "quant_method", qc)).lower():  # dequantized at load: drop the marker
-                assert all(p.is_floating_point() for p in lm.parameters()), "GGUF weights still quantized"
-                lm.hf_quantizer = None
-                vars(lm.config).pop("quantization_config", None)
+            executor.drop_gguf_marker(lm)  # (a model given here, not loaded by executor.load_model)
             lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             executor.write_json_atomic(os.path.join(tmp, "args.json"), {**args, "checkpoint": True})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _barrier()  # every rank's trainer state is written before the directory is published
+    barrier()  # every rank's trainer state is written before the directory is published
     if rank == 0:
         if os.path.exists(out_dir):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()
 
 
 def newest_checkpoint(out: str) -> str | None:
