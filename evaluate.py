@@ -571,8 +571,7 @@ def run(args) -> None:
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
 
-    import torch.distributed as dist
-    from sft import cleanup_distributed, print0, setup_distributed
+    from sft import barrier, cleanup_distributed, print0, setup_distributed
 
     # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
     # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
@@ -583,15 +582,7 @@ def run(args) -> None:
         todo = [(b, q) for b, q in problems[rank::world] if any((b, q["id"], j) not in done for j in range(args.k))]
         print0(f"{len(keys)} samples ({len(benches)} benchmarks, k {args.k}), <= {args.max_num_seqs} at once on each "
                f"of {world} ranks (rank r: problems p % {world} == r); {len(done)} samples already in {args.out}")
-        os.makedirs(args.out, exist_ok=True)
-        if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
-            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
-
-        # 2) rollouts: one call for all of this rank's problems; each sample is appended to this
-        #    rank's file as it finishes. No collective in here: ranks finish at different times.
         if todo:
-            my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
-            ex.drop_torn_tail(my_file)
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
@@ -601,6 +592,16 @@ def run(args) -> None:
                 raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                     f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                     "raise it, or remove those problems")
+        # nothing is written before the prompts are measured (the last check)
+        os.makedirs(args.out, exist_ok=True)
+        if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
+            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+
+        # 2) rollouts: one call for all of this rank's problems; each sample is appended to this
+        #    rank's file as it finishes. No collective in here: ranks finish at different times.
+        if todo:
+            my_file = os.path.join(args.out, f"samples.rank{rank}.jsonl")
+            ex.drop_torn_tail(my_file)
             t0, mine = time.time(), [(b, q, j) for b, q in todo for j in range(args.k)]  # sample n of the call
 
             def save(n, sample):
@@ -618,8 +619,7 @@ def run(args) -> None:
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective
         #    below), then removes them (a crash in between leaves identical duplicates, which
         #    merged_samples accepts)
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         if rank == 0:
             rows = merged_samples(args.out)
             assert set(rows) == set(keys), f"{len(set(keys) - set(rows))} samples missing after the run"

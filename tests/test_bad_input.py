@@ -370,6 +370,7 @@ def test_too_long_prompts_are_skipped_or_refused_before_any_forward(tiny_dir, tm
                             "--max-context", "1000", "--exec-workers", "1"]) == 2
     assert "1 of 3 prompts leave no room under --max-context 1000 (e.g. ('p', 'long')" in capsys.readouterr().err
     assert fed == []
+    assert not os.path.exists(tmp_path / "e")  # nothing written: args.json comes after the last check (B14)
 
 
 # -----------------------------------------------------------------------------
