@@ -128,8 +128,7 @@ def summarize(kept: list, rejected: list) -> dict:
 # rollout's keyword arguments, taken from the flags of the same names; with them, the
 # arguments that change what a trajectory is or whether it is kept: earlier rows in --out are
 # only continued with the same ones (batch size, seed and limit may change)
-SAMPLING = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
-RUN_ARGS = ("teacher", "exemplars", "dtype", *SAMPLING, "exec_timeout", "min_blocks", "max_plan_share",
+RUN_ARGS = ("teacher", "exemplars", "dtype", *ex.ROLLOUT_ARGS, "exec_timeout", "min_blocks", "max_plan_share",
             "allow_unfinished")
 
 
@@ -232,7 +231,7 @@ def main(argv=None):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
             samples = ex.rollout(model, tokenizer, [prompt_ids[i] for i, _ in batch], sandbox, n=k,
-                                 seed=args.seed * 1_000_003 + batch[0][0], **{a: getattr(args, a) for a in SAMPLING})
+                                 seed=args.seed * 1_000_003 + batch[0][0], **{a: getattr(args, a) for a in ex.ROLLOUT_ARGS})
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
                     for i, (_, p) in enumerate(batch) for j in range(k) if work_key(p, j) not in done]

@@ -354,9 +354,7 @@ def merged_samples(out_dir: str) -> dict:
 
 # the run's identity: everything that decides which samples exist and what they are (not
 # --max-num-seqs: a sample's seed is its own). A run folder is resumed only with the same.
-# ROLLOUT_ARGS are also executor.rollout's keyword arguments of the same names.
-ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
-SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout", *ROLLOUT_ARGS)
+SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout", *ex.ROLLOUT_ARGS)
 
 
 def parse_args(argv=None):
@@ -613,7 +611,7 @@ def run(args) -> None:
                 ex.rollout(model, tok, [prompts[b, q["id"]] for b, q in todo], sandbox, n=args.k,
                            seed=[sample_seed(args.seed, b, q["id"], j) for b, q, j in mine],
                            max_num_seqs=args.max_num_seqs, on_sample=save, progress=rank == 0,
-                           **{a: getattr(args, a) for a in ROLLOUT_ARGS})
+                           **{a: getattr(args, a) for a in ex.ROLLOUT_ARGS})
             print(f"[rank {rank}] sampled {len(todo)} problems x {args.k} in {time.time() - t0:.1f}s", flush=True)
 
         # 3) every rank done; rank 0 merges the ranks' files into samples.jsonl (no collective

@@ -29,12 +29,14 @@ Departures from the paper (it does not describe its executor):
        and its own report pipe); as root (development, CI): writes, deletes and device
        access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
        read-only), anything left running after the block (a PID namespace per block),
-       SysV and POSIX IPC (an IPC namespace), kernel keys, user namespaces and setns (a
-       seccomp filter, on x86_64 and aarch64); where cgroups may be made (root, cgroup
+       SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
+       services (a network namespace), kernel keys, user namespaces, setns and ptrace (a
+       seccomp filter, on x86_64 and aarch64); out of memory, the kernel kills a block
+       before the caller (oom_score_adj 1000); at most 4096 open files a process; where cgroups may be made (root, cgroup
        v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
        tasks of all the block's processes together, memfds, page cache and threads too.
      not covered (this is the one list of it):
-       - the network; reading any file the caller can read; the descriptions (not the
+       - reading any file the caller can read; the descriptions (not the
          contents) of the caller's keys in /proc/keys; CPU time of a block's processes
          together (RLIMIT_CPU is per process);
        - without a cgroup: memory of a block's processes together and memory a process
@@ -45,7 +47,7 @@ Departures from the paper (it does not describe its executor):
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
        - when the caller is not root (or namespaces are refused): writes and deletes of
          the caller's own files, a detached process outliving the block, the shared
-         /tmp, /dev/shm, IPC objects and keys, user namespaces;
+         /tmp, /dev/shm, IPC objects, keys and network, user namespaces, ptrace;
        - in stateful mode, spawn and forkserver children import only the current
          block's file (definitions of earlier blocks are missing there);
        - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
@@ -97,9 +99,10 @@ MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
 _CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
                   "": {"memory.max": "max", "pids.max": "max"}}
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
-# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key, request_key
-_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249),
-             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218)}
+# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
+# request_key, ptrace (a tracer keeps a traced zombie from being reaped: the block would never end)
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
+             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
 _NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
@@ -150,6 +153,9 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
     gc.freeze()  # a block's collections skip the template's objects (fast, and no copy-on-write)
+    # out of memory, the kernel kills the template or a block (they inherit it) first, never the trainer
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
     os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
     ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
     if contain:
@@ -243,7 +249,8 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
         os.write(procs, b"0")
     if contain:
-        _libc("unshare", _NEWNS | 0x8000000)  # CLONE_NEWIPC: SysV and POSIX IPC objects of its own
+        # CLONE_NEWIPC, CLONE_NEWNET: IPC objects of its own; no network, not even the caller's loopback
+        _libc("unshare", _NEWNS | 0x8000000 | 0x40000000)
         system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
@@ -262,15 +269,17 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
             _no_user_namespaces()
     os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
     os.chdir(req["cwd"])
-    for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
-                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
-                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"])):
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(limit, (value, value))
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
     os.dup2(out_w, 1)
     os.dup2(out_w, 2)
     os.dup2(rep_w, _REPORT_FD, inheritable=False)
+    # (after the dup2s) at most 4096 open files a process: the caller's limit may be far higher
+    for limit, value in ((resource.RLIMIT_AS, req["memory_mb"] << 20 or resource.RLIM_INFINITY),
+                         (resource.RLIMIT_CPU, req["cpu_s"]), (resource.RLIMIT_FSIZE, req["file_mb"] << 20),
+                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, req["nproc"]),
+                         (resource.RLIMIT_NOFILE, _REPORT_FD + 1)):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(limit, (value, value))
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.write(sock_fd, b'{"ready": true}')  # its last word there: from here on block code runs
@@ -1260,6 +1269,10 @@ def shared_prefix_len(prompts, min_len: int = 16) -> int:
     return k if k >= min_len and len(prompts) > 1 else 0
 
 
+# the sampling flags every stage passes to rollout under their own names (and records with its run)
+ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
+
+
 def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
             max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None,
@@ -1713,7 +1726,8 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     folder (MODEL_FILES, or an args.json marked "checkpoint"); a folder holding another
     stage's run (a `*args.json` naming another "stage": each stage saves {"stage", **args}
     there); an `outputs` path (the files the run writes) that is one of the `inputs` (the
-    files it reads; None entries are skipped)."""
+    files it reads; None entries are skipped), or an input folder (a model) inside `folder`,
+    where the run's checkpoints may replace it."""
     if not folder or os.path.exists(folder) and not os.path.isdir(folder):
         raise InputError(f"--out {folder}: a file, not a folder" if folder else "--out '': give a folder")
     runs = {path: read_json(path) for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json")))}
@@ -1723,8 +1737,10 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     for path, saved in runs.items():
         if saved.get("stage", stage) != stage:
             raise InputError(f"--out {folder} holds a run of {saved['stage']}.py ({path}): give another --out")
-    if same := [(o, i) for o in outputs for i in inputs if i and os.path.realpath(i) == os.path.realpath(o)]:
-        raise InputError(f"--out {folder}: the run would write {same[0][0]}, which is its input: give another --out")
+    root = os.path.realpath(folder) + os.sep
+    for i in filter(None, inputs):  # an output, or a model folder inside --out (checkpoints there rotate)
+        if (real := os.path.realpath(i)) in map(os.path.realpath, outputs) or os.path.isdir(i) and real.startswith(root):
+            raise InputError(f"--out {folder}: the run would write {i}, which is its input: give another --out")
 
 
 def check_same_args(path: str, args, names, what: str) -> None:

@@ -586,3 +586,16 @@ def test_a_utf8_bom_is_accepted(files, tmp_path, capsys):
     code.write_bytes(b"\xef\xbb\xbfprint(6 * 7)\n")
     assert ex.cli(ex.main, [str(code)]) == 0
     assert capsys.readouterr().out == "42\n\n"  # (what the block printed, then print's newline)
+
+
+def test_a_model_folder_inside_out_is_refused_B15(tmp_path):
+    """`sft.py --model runS/step_000001 --out runS` would write its checkpoints (and their
+    rotation) beside the model it reads, and overwrote its weights: an input folder inside
+    --out is refused, as an output that is an input is."""
+    run = tmp_path / "runS"
+    model = run / "step_000001"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ex.InputError, match=f"--out {run}: the run would write {model}, which is its input"):
+        ex.check_out(str(run), "sft", (str(model), None), [str(run / "args.json")])
+    ex.check_out(str(run), "sft", (str(tmp_path / "elsewhere.jsonl"), None), [str(run / "args.json")])

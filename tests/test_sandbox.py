@@ -1386,3 +1386,40 @@ def test_s24_trajectory_printer_shows_control_characters_escaped(sb):
     assert "output 1:\n\\x1b[2J\\x1b]0;owned\\x07 nul\\x00 cr\\r c1\\x9b del\\x7f tab\t end\n" in text, text
     assert "problem p: q\\x1b[31m\n" in text
     assert not any(ch < " " and ch not in "\n\t" or "\x7f" <= ch <= "\x9f" for ch in text)
+
+
+@pytest.mark.timeout(60)
+def test_s25_a_tracer_cannot_keep_the_block_from_ending(sb):
+    """A child that leaves the process group and ptrace-seizes the block's main process
+    would keep its zombie from being reaped (only the tracer may reap a traced zombie), so
+    `run` never returned; ptrace is refused (EPERM) and the block ends at its timeout."""
+    code = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\nmain = os.getpid()\n"
+            "if os.fork() == 0:\n    os.setsid()\n    print(libc.ptrace(0x4206, main, 0, 0), ctypes.get_errno(), flush=True)\n"
+            "    time.sleep(30)\n    os._exit(0)\ntime.sleep(0.5)\n")
+    t0 = time.monotonic()
+    r = sb.run(code)
+    assert time.monotonic() - t0 < 15
+    if sb.contained:
+        assert r.output == "-1 1\n" and r.status == "ok", (r.status, r.output)
+
+
+@pytest.mark.timeout(30)
+def test_s26_no_network_no_open_file_flood_and_the_block_dies_first_out_of_memory(sb):
+    """A block reaches no listener of the caller's, not on loopback either (a TCPStore of
+    torchrun's is one); it may hold a bounded number of open files; and the kernel's OOM killer picks a
+    block before the trainer (oom_score_adj 1000). Open files: at most 4096 a process (the
+    report pipe's fd + 1), whatever the caller's limit."""
+    import socket
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        r = sb.run("import resource, socket\ntry:\n"
+                   f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('reached')\n"
+                   "except OSError as e:\n    print(type(e).__name__)\n"
+                   "print(resource.getrlimit(resource.RLIMIT_NOFILE))\nprint(open('/proc/self/oom_score_adj').read().strip())")
+    finally:
+        server.close()
+    lines = r.output.splitlines()
+    assert lines[1:] == [str((ex._REPORT_FD + 1,) * 2), "1000"] and ex._REPORT_FD < 4096, r.output
+    if sb.contained:
+        assert lines[0] in ("ConnectionRefusedError", "OSError"), r.output
