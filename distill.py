@@ -193,8 +193,6 @@ def main(argv=None):
     # apart (hence the long timeout); none runs inside the rollout loop
     rank, _, world, device = setup_distributed(args.seed, backend="gloo", timeout=timedelta(days=7))
     if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
         for path in (out, rejected_path):
             if cut := ex.drop_torn_tail(path):
                 print(f"{path}: dropped a torn last line ({cut} bytes)", file=sys.stderr)
@@ -224,6 +222,9 @@ def main(argv=None):
         if len(mine) < len(prompt_ids):
             print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
+    if rank == 0:  # after the last check (the prompts' lengths): nothing is written before it
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:

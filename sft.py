@@ -361,8 +361,7 @@ def step_indices(step: int, n_examples: int, global_batch: int, seed: int) -> li
     """The examples of optimizer step `step`: each epoch is a permutation seeded by
     (seed, epoch), cut into global batches, the last partial one dropped. Depends on
     nothing else (not the world size), so a resumed or re-split run sees the same data."""
-    steps_per_epoch = n_examples // global_batch
-    epoch, k = divmod(step, steps_per_epoch)
+    epoch, k = divmod(step, n_examples // global_batch)  # (n_examples // global_batch steps an epoch)
     perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     return perm[k * global_batch:(k + 1) * global_batch]
 

@@ -541,6 +541,7 @@ def test_distill_refuses_an_out_it_did_not_write_and_prompts_that_cannot_fit(tin
                                  *DISTILL_FLAGS, "--max-context", "5"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == \
         f"distill.py: error: --max-context 5: no prompt of {files['problems']} leaves room for a token"
+    assert _tree(tmp_path) == before  # not even t.args.json: it is written after this check (B14)
 
 
 # -----------------------------------------------------------------------------
