@@ -154,7 +154,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             __import__(name)
     gc.freeze()  # a block's collections skip the template's objects (fast, and no copy-on-write)
     # out of memory, the kernel kills the template or a block (they inherit it) first, never the trainer
-    with open("/proc/self/oom_score_adj", "w") as f:
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:  # (a locked /proc: as before)
         f.write("1000")
     os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
     ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
