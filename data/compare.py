@@ -17,7 +17,9 @@ family's constant-answer baseline.
 With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
 a sample finishes within B model tokens iff it ended by EOS after at most B (sampling is
 seeded per wave and row, so the same run at budget B writes the same first B tokens); the
-last line printed is the smallest budget at which >= --min-finished of the samples finish.
+last line printed is B, the smallest budget at which doubling it raises the finish rate by
+less than --max-gain points (both B and 2B must be in the list): past it, what does not
+finish loops to any budget rather than being cut short (data/README.md, the recipe's part 1).
 
 A path ending in .gz is read as gzip. A family is a problem's text with its numbers
 replaced by N (make_exact.py's templates).
@@ -136,21 +138,24 @@ def main(argv=None) -> None:
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
     p.add_argument("--budgets", type=budget_list, help="model tokens, comma-separated (384,768): the finish rate "
                                                          "at each (one file, sampled at the largest)")
-    p.add_argument("--min-finished", type=float, default=0.85, help="--budgets: the finish rate to reach")
+    p.add_argument("--max-gain", type=float, default=3.0,
+                   help="--budgets: B is the smallest budget whose double finishes fewer than this many points more")
     p.add_argument("--draws", type=ex.positive_int, default=10000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     args = p.parse_args(argv)
     if args.budgets:
+        if len(args.samples) != 1:
+            p.error(f"--budgets reads one samples file, got {len(args.samples)}")
+        if not 0 < args.max_gain <= 100:
+            p.error(f"--max-gain must be in (0, 100] points, got {args.max_gain}")
         rows = load(args.samples[0])
-        if not rows:
-            raise ex.InputError(f"{args.samples[0]}: no samples")
         rates = {b: finish_rate(rows, b) for b in sorted(args.budgets)}
         for b, rate in rates.items():
             print(f"budget {b}: {pct(rate)}% of {len(rows)} samples finished")
-        fits = [b for b, rate in rates.items() if rate >= args.min_finished]
+        fits = [b for b in rates if 2 * b in rates and 100 * (rates[2 * b] - rates[b]) < args.max_gain]
         if not fits:
-            raise ex.InputError(f"{args.samples[0]}: no budget of {sorted(args.budgets)} finishes "
-                                f"{pct(args.min_finished)}% of the samples")
+            raise ex.InputError(f"{args.samples[0]}: no budget of {sorted(args.budgets)} whose double (also listed) "
+                                f"finishes fewer than {args.max_gain} points more of the samples")
         print(fits[0])
         return
     runs = [per_problem(path) for path in args.samples]

@@ -2,8 +2,9 @@
 # THINC's recipe in miniature on the packaged models, every part measured at a budget the start
 # model finishes in (this supersedes data/does_it_learn.sh, which evaluated at 192 tokens):
 #   1 budget    the start model's finish rate on the first BUDGET_PROBLEMS training problems at
-#               the largest of BUDGETS; the smallest budget where >= MIN_FINISHED of its samples
-#               end by EOS becomes B (model tokens) for every later part (runs/recipe/budget.txt)
+#               the largest of BUDGETS; B (model tokens, for every later part) is the smallest
+#               budget whose double raises that rate by fewer than MAX_GAIN points. Its committed
+#               samples (data/recipe/budget.samples.jsonl.gz, 6 tool calls) give B = 1,024.
 #   2 heldout_start  the start model on data/exact_test.jsonl (100 problems, k = K) at B, as
 #               every row after it
 #   3 distill   the 1.5B teacher, 3-shot, on the first DISTILL_N training problems; the paper's
@@ -15,22 +16,25 @@
 #   8 public    the PUBLIC policies on the first PUBLIC_N problems of math500_int and GSM8K test at B
 #   9 export    samples (gzip), training metrics, the distillation summary and wall times into
 #               data/recipe/, then data/recipe/tables.md, computed from those files alone
-# A part whose name is in runs/recipe/done.txt is skipped; a killed one is rerun, and every stage
-# resumes its own partial output (evaluate.py and distill.py skip what they wrote, grpo.py and
-# sft.py continue from their newest checkpoint). runs/recipe/times.tsv gets a line as each part
-# starts and ends. Settings below; each can be overridden from the environment (K=2 bash ...);
-# BUDGET=768 skips part 1.
+# A part whose name is in runs/recipe/done.txt is skipped, and so is one whose samples (or kept
+# trajectories) data/recipe/ holds with an end line in data/recipe/times.tsv: a new machine
+# resumes from the committed files (a training part is retrained there when a later part needs
+# its model). A killed part is rerun, and every stage resumes its own partial output (evaluate.py
+# and distill.py skip what they wrote, grpo.py and sft.py continue from their newest checkpoint).
+# runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
+# Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
+# part 1.
 # Usage, from the project root after set-up command 1 and the teacher's install (README):
 #   bash data/recipe.sh
 set -euo pipefail
 R=${R:-runs/recipe}                  # run folders
 OUT=${OUT_DIR:-data/recipe}          # what is committed
-BUDGETS=${BUDGETS:-384,512,768,1024,1536}
+BUDGETS=${BUDGETS:-768,1024,1536,2048}
 BUDGET_PROBLEMS=${BUDGET_PROBLEMS:-48}
-MIN_FINISHED=${MIN_FINISHED:-0.85}
+MAX_GAIN=${MAX_GAIN:-3}               # points (part 1's rule)
 K=${K:-1}                            # samples per held-out problem (k = 1: exact McNemar)
-TOOLS=${TOOLS:-3}                    # executed blocks per sample, everywhere
-EVAL_BATCH=${EVAL_BATCH:-16}         # sequences decoding at once (changes no sample: each has its own seed)
+TOOLS=${TOOLS:-6}                    # executed blocks per sample, everywhere
+EVAL_BATCH=${EVAL_BATCH:-64}         # sequences decoding at once (fp32: changes no sample); 64 decodes fastest here
 BATCH_FLAG=${BATCH_FLAG:---max-num-seqs}         # evaluate.py: sequences decoding at once
 DISTILL_BATCH_FLAG=${DISTILL_BATCH_FLAG:---batch-size}
 TEACHER=${TEACHER:-qwen2.5-coder-1.5b}
@@ -50,20 +54,42 @@ MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
 mkdir -p "$R" "$OUT"
-touch "$R/done.txt" "$R/times.tsv"
+touch "$R/done.txt"
+if [ ! -s "$R/times.tsv" ] && [ -f "$OUT/times.tsv" ]; then cp "$OUT/times.tsv" "$R/times.tsv"; fi
+touch "$R/times.tsv"
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain -- '*.py' 2>/dev/null)" ]; then COMMIT="$COMMIT+changes"; fi
+
+restored() {  # restored NAME: the part's product is committed in data/recipe/; copies it into runs/
+    grep -q "^$1"$'\t'"end" "$OUT/times.tsv" 2>/dev/null || return 1
+    case $1 in
+        distill)
+            [ -f "$OUT/distill.kept.jsonl.gz" ] || return 1
+            mkdir -p "$R/distill"
+            gunzip -c "$OUT/distill.kept.jsonl.gz" > "$R/distill/traj.jsonl"
+            gunzip -c "$OUT/distill.rejected.jsonl.gz" > "$R/distill/traj.rejected.jsonl"
+            cp "$OUT/distill.summary.json" "$R/distill/traj.summary.json" ;;
+        budget|heldout_*|math500_*|gsm8k_*)
+            [ -f "$OUT/$1.samples.jsonl.gz" ] || return 1
+            mkdir -p "$R/$1"
+            gunzip -c "$OUT/$1.samples.jsonl.gz" > "$R/$1/samples.jsonl" ;;
+        *) return 1 ;;
+    esac
+}
 
 part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     local name=$1
     shift
-    if grep -qx "$name" "$R/done.txt"; then
+    if grep -qx "$name" "$R/done.txt" || restored "$name"; then
+        grep -qx "$name" "$R/done.txt" || echo "$name" >> "$R/done.txt"
         echo "== $name: done before"
         return
     fi
-    printf '%s\tstart\t%s\n' "$name" "$(date -u +%FT%TZ)" >> "$R/times.tsv"
-    echo "== $name: $(date -u +%FT%TZ)"
+    printf '%s\tstart\t%s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$COMMIT" >> "$R/times.tsv"
+    echo "== $name: $(date -u +%FT%TZ) on $COMMIT"
     local t0=$SECONDS
     "$@"
-    printf '%s\tend\t%s\t%s s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" >> "$R/times.tsv"
+    printf '%s\tend\t%s\t%s s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" "$COMMIT" >> "$R/times.tsv"
     echo "$name" >> "$R/done.txt"
     export_files  # what is done so far is in data/recipe/, should a later part fail
 }
@@ -76,13 +102,14 @@ policy() {  # the model directory (or packaged name) of a row
     esac
 }
 
-pick_budget() {
+pick_budget() {  # samples at the largest budget, unless data/recipe/ holds them (part 1's evidence)
     local largest=${BUDGETS##*,}
-    python evaluate.py --model "$START" --data data/exact_train.jsonl --limit "$BUDGET_PROBLEMS" --k 1 \
-        "$BATCH_FLAG" "$EVAL_BATCH" --max-context $((largest + 1536)) --max-new-tokens "$largest" \
-        --max-tool-calls "$TOOLS" --seed 0 --out "$R/budget"
-    python data/compare.py --budgets "$BUDGETS" --min-finished "$MIN_FINISHED" "$R/budget/samples.jsonl" \
-        | tee "$R/budget.log"
+    if [ ! -f "$R/budget/samples.jsonl" ]; then
+        python evaluate.py --model "$START" --data data/exact_train.jsonl --limit "$BUDGET_PROBLEMS" --k 1 \
+            "$BATCH_FLAG" "$EVAL_BATCH" --max-context $((largest + 1536)) --max-new-tokens "$largest" \
+            --max-tool-calls "$TOOLS" --seed 0 --out "$R/budget"
+    fi
+    python data/compare.py --budgets "$BUDGETS" --max-gain "$MAX_GAIN" "$R/budget/samples.jsonl" | tee "$R/budget.log"
     tail -n 1 "$R/budget.log" > "$R/budget.txt"
 }
 
@@ -168,7 +195,7 @@ tables() {  # only from the committed files: anyone can recompute them without a
             echo
             echo "## The start model's finish rate (first $BUDGET_PROBLEMS training problems, k = 1)"
             echo
-            python data/compare.py --budgets "$BUDGETS" --min-finished "$MIN_FINISHED" "$OUT/budget.samples.jsonl.gz"
+            python data/compare.py --budgets "$BUDGETS" --max-gain "$MAX_GAIN" "$OUT/budget.samples.jsonl.gz"
         fi
         echo
         echo "## Held out (data/exact_test.jsonl, k = $K); gains over the start model"
@@ -205,6 +232,8 @@ if [ -n "${BUDGET:-}" ]; then
     B=$BUDGET  # given: no measurement
 else
     part budget pick_budget
+    [ -f "$R/budget.txt" ] || python data/compare.py --budgets "$BUDGETS" --max-gain "$MAX_GAIN" \
+        "$R/budget/samples.jsonl" | tail -n 1 > "$R/budget.txt"
     B=$(cat "$R/budget.txt")
 fi
 echo "== B = $B model tokens"

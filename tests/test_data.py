@@ -258,21 +258,33 @@ def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
         "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |"]
 
 
-def test_compare_budgets_give_the_smallest_that_finishes_enough(tmp_path, capsys):
-    """Finished within B: ended by EOS after <= B model tokens. Of 100, 768, 500, 768 tokens
-    (stop, length, stop, length): 1 of 4 within 200, 2 of 4 within 500 and 768."""
+def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_path, capsys):
+    """Finished within B: ended by EOS after <= B model tokens. Of 100, 300, 700, 2000 tokens
+    (stop, stop, stop, length): 1, 2, 3, 3 of 4 within 200, 400, 800, 1,600. Doubling adds 25
+    points at 200 and 400 and 0 at 800: B = 800 by the default 3-point rule, 200 by a 30-point
+    one; of 200 and 400 alone, none passes the 3-point rule."""
     import compare
 
     path = tmp_path / "budget.jsonl"
-    rows = recipe_rows([True] * 4, ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    rows = recipe_rows([True] * 4, ["stop", "stop", "stop", "length"], [100, 300, 700, 2000])
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    compare.main(["--budgets", "768,200,500", "--min-finished", "0.5", str(path)])
+    compare.main(["--budgets", "400,200,800,1600", str(path)])
     assert capsys.readouterr().out.splitlines() == ["budget 200: 25.0% of 4 samples finished",
-                                                    "budget 500: 50.0% of 4 samples finished",
-                                                    "budget 768: 50.0% of 4 samples finished", "500"]
-    assert ex.cli(compare.main, ["--budgets", "200,500", str(path)]) == 2
+                                                    "budget 400: 50.0% of 4 samples finished",
+                                                    "budget 800: 75.0% of 4 samples finished",
+                                                    "budget 1600: 75.0% of 4 samples finished", "800"]
+    compare.main(["--budgets", "400,200,800,1600", "--max-gain", "30", str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == "200"
+    assert ex.cli(compare.main, ["--budgets", "200,400", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.endswith("budget.jsonl: no budget of [200, 500] finishes 85.0% of the samples\n") and err.count("\n") == 1
+    assert err.endswith("budget.jsonl: no budget of [200, 400] whose double (also listed) finishes "
+                        "fewer than 3.0 points more of the samples\n") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        compare.main(["--budgets", "200,400", str(path), str(path)])  # one file only
+    assert "--budgets reads one samples file, got 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["--budgets", "200,400", "--max-gain", "-1", str(path)])
+    assert "--max-gain must be in (0, 100] points, got -1.0" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl.gz"
     with gzip.open(bad, "wt") as f:
         f.write('{"id": "p1"}\n')
