@@ -2,7 +2,9 @@
 a row per policy, then its gain over the first policy with a paired test over problems.
 
 A row: accuracy (avg@k) with a 95% bootstrap interval over problems, accuracy among the
-finished samples (ended by EOS: `finish_reason` 'stop'), the finish rate. A gain: the mean
+finished samples (ended by EOS: `finish_reason` 'stop'), the finish rate, the mean tool calls
+(executed blocks) per sample and the code-grounded rate (evaluate.code_grounded_rate: the share
+of answered samples whose answer appears in an execution output). A gain: the mean
 over problems of (its avg@k - the first's), with a 95% paired bootstrap interval (a
 problem's two mean scores are resampled together, so the interval reflects which problems
 were drawn, not only the k samples of each), and at k = 1 the exact McNemar test (two-sided
@@ -56,12 +58,13 @@ def load(path: str) -> list:
             raise ex.InputError(str(e).replace(tmp, path)) from None
 
 
-def per_problem(path: str) -> dict:
+def per_problem(path: str, records: list | None = None) -> dict:
     """{(benchmark, problem id): (problem text, gold answer, [0/1 correct for each sample],
-    [0/1 finished for each sample])} from a samples file. Raises InputError naming file and
-    line for a bad row (evaluate.load_samples), or an empty file."""
+    [0/1 finished for each sample])} from a samples file (or its `records`, already loaded).
+    Raises InputError naming file and line for a bad row (evaluate.load_samples), or an
+    empty file."""
     rows = {}
-    for r in load(path):
+    for r in load(path) if records is None else records:
         cell = rows.setdefault((r["benchmark"], r["id"]), (r.get("problem", ""), r["answer"], [], []))
         cell[2].append(float(r["correct"]))
         cell[3].append(float(r["finish_reason"] == "stop"))
@@ -158,16 +161,18 @@ def main(argv=None) -> None:
                                 f"finishes fewer than {args.max_gain} points more of the samples")
         print(fits[0])
         return
-    runs = [per_problem(path) for path in args.samples]
+    records = [load(path) for path in args.samples]
+    runs = [per_problem(path, rs) for path, rs in zip(args.samples, records)]
     for path, run in zip(args.samples[1:], runs[1:]):
         check_paired(runs[0], run, args.samples[0], path)
     ids = sorted(runs[0])
     k = len(runs[0][ids[0]][2])
     first = np.array([np.mean(runs[0][i][2]) for i in ids])
     print(f"{len(ids)} problems, k = {k}; gains are over {label(args.samples[0])}\n")
-    print("| policy | accuracy [95% CI] | among finished | finished | gain [95% paired CI] | McNemar p (b, c) |")
-    print("|---|---|---|---|---|---|")
-    for path, run in zip(args.samples, runs):
+    print("| policy | accuracy [95% CI] | among finished | finished | tool calls | code-grounded | "
+          "gain [95% paired CI] | McNemar p (b, c) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path, run, rs in zip(args.samples, runs, records):
         scores = np.array([np.mean(run[i][2]) for i in ids])  # (problems,)
         right = np.array([x for i in ids for x in run[i][2]])  # (problems * k,)
         done = np.array([x for i in ids for x in run[i][3]])  # (problems * k,)
@@ -181,8 +186,11 @@ def main(argv=None) -> None:
         test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})" if k == 1 else "-"
         if run is runs[0]:
             gain, test = "-", "-"
+        tools = np.mean([r["n_code_blocks"] for r in rs])
+        rate, answered = evaluate.code_grounded_rate(rs)
+        grounded = f"{pct(rate)} (of {answered})" if answered else "-"
         print(f"| {label(path)} | {pct(scores.mean())} [{pct(lo)}, {pct(hi)}] | {among} | {pct(done.mean())} | "
-              f"{gain} | {test} |")
+              f"{tools:.2f} | {grounded} | {gain} | {test} |")
     answer, share = constant_baseline([runs[0][i][1] for i in ids])
     print(f"\nconstant answer {answer!r}: {pct(share)}% of the {len(ids)} problems")
     if not args.families:

@@ -237,21 +237,28 @@ def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
     on p1-p3, p4 cut. Bootstrap over 4 problems: start's mean is 0 in (3/4)^4 = 32% of the
     resamples and >= 0.75 in 13/256 = 5.1%, 1 in 1/256 = 0.4%, so its interval is [0, 75];
     grpo's (scores 1, 1, 1, 0) is [25, 100]; the gains (0, 1, 1, 0) are 0 and 1 in 1/16 each,
-    so [+0, +100]. McNemar: b = 2 (p2, p3), c = 0, p = 2 / 4."""
+    so [+0, +100]. McNemar: b = 2 (p2, p3), c = 0, p = 2 / 4. Tool calls: start none, grpo
+    (1 + 2 + 1 + 0) / 4 = 1.00; code-grounded: every sample answers 6, printed by grpo's p1 and p2
+    only (2 of 4)."""
     import compare
 
     start = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
     grpo = recipe_rows([True, True, True, False], ["stop", "stop", "stop", "length"], [90, 80, 70, 768])
+    outputs = [["6\n"], ["x", "answer = 6\n"], ["7\n"], []]  # the answer 6 printed in p1 and p2 only
+    for row, outs in zip(grpo, outputs):
+        row.update(n_code_blocks=len(outs), blocks=[{"status": "ok", "output": o} for o in outs])
     (tmp_path / "start.samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in start))
     with gzip.open(tmp_path / "grpo.samples.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in grpo))
     compare.main(["--families", str(tmp_path / "start.samples.jsonl"), str(tmp_path / "grpo.samples.jsonl.gz")])
     assert capsys.readouterr().out.splitlines() == [
         "4 problems, k = 1; gains are over start", "",
-        "| policy | accuracy [95% CI] | among finished | finished | gain [95% paired CI] | McNemar p (b, c) |",
-        "|---|---|---|---|---|---|",
-        "| start | 25.0 [0.0, 75.0] | 50.0 (1 of 2) | 50.0 | - | - |",
-        "| grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |", "",
+        "| policy | accuracy [95% CI] | among finished | finished | tool calls | code-grounded | "
+        "gain [95% paired CI] | McNemar p (b, c) |",
+        "|---|---|---|---|---|---|---|---|",
+        "| start | 25.0 [0.0, 75.0] | 50.0 (1 of 2) | 50.0 | 0.00 | 0.0 (of 4) | - | - |",
+        "| grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |",
+        "",
         "constant answer '4': 50.0% of the 4 problems", "",
         "| family | problems | constant answer | start | grpo |", "|---|---|---|---|---|",
         "| How many positive divisors does N have? | 2 | 100.0% (4) | 0 of 2 | 1 of 2 |",
@@ -321,6 +328,9 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     runs, out = tmp_path / "runs", tmp_path / "out"
     start = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
     grpo = recipe_rows([True, True, True, False], ["stop", "stop", "stop", "length"], [90, 80, 70, 768])
+    outputs = [["6\n"], ["x", "answer = 6\n"], ["7\n"], []]  # the answer 6 printed in p1 and p2 only
+    for row, outs in zip(grpo, outputs):
+        row.update(n_code_blocks=len(outs), blocks=[{"status": "ok", "output": o} for o in outs])
     for name, rows in (("heldout_start", start), ("heldout_grpo", grpo)):
         (runs / name).mkdir(parents=True)
         (runs / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -340,5 +350,45 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"]) == (runs / "heldout_grpo/samples.jsonl").read_bytes()
     tables = outputs[0]["tables.md"].decode().splitlines()
     assert tables[0] == "# data/recipe.sh at B = 768 model tokens"
-    assert "| heldout_grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |" in tables
+    assert ("| heldout_grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] "
+            "| 0.5 (2, 0) |") in tables
     assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |" in tables
+
+
+def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
+    """A new machine: runs/ is empty, data/recipe/ holds heldout_start's samples and an end line
+    for it in times.tsv (heldout_grpo's samples too, but no end line: it was killed). The
+    script restores heldout_start into runs/ and skips it; heldout_grpo is not restored, and with
+    every other part marked done the run is over; its start line in times.tsv names the commit."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    for name in ("heldout_start", "heldout_grpo"):
+        (out / f"{name}.samples.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    (out / "times.tsv").write_text("heldout_start\tstart\t2026-12-02T00:00:00Z\tabc1234\n"
+                                   "heldout_start\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234\n"
+                                   "heldout_grpo\tstart\t2026-12-02T01:00:00Z\tabc1234\n")
+    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
+             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("sft", "sft_grpo", "control")]
+    runs.mkdir()
+    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
+    fake_bin = tmp_path / "bin"  # heldout_grpo is not restored: its evaluation runs, here a stand-in
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/heldout_grpo && "
+                                     f"cp {runs}/heldout_start/samples.jsonl {runs}/heldout_grpo/; exit 0; fi\n"
+                                     f"exec {sys.executable} \"$@\"\n")
+    (fake_bin / "python").chmod(0o755)
+    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "== heldout_start: done before" in run.stdout and "== heldout_grpo: 20" in run.stdout
+    assert (runs / "heldout_start/samples.jsonl").read_text() == text
+    times = (out / "times.tsv").read_text().splitlines()
+    assert times[:3] == ["heldout_start\tstart\t2026-12-02T00:00:00Z\tabc1234",
+                         "heldout_start\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234",
+                         "heldout_grpo\tstart\t2026-12-02T01:00:00Z\tabc1234"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert times[3].startswith("heldout_grpo\tstart\t") and times[3].split("\t")[3].startswith(commit.strip())
+    assert times[4].startswith("heldout_grpo\tend\t") and len(times) == 5
