@@ -103,15 +103,17 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, s
     of `executor.stage_prompt_ids`, in one rollout call: at most `max_num_seqs` rows decode
     at once (0 = all) and a finished sample's place goes to the next one. `sampling`
     (temperature, top_p, max_context, max_new_tokens, max_tool_calls), stateful and progress
-    are `executor.rollout`'s (`rollout_fn`, default `executor.rollout` looked up at each call, so
-    that patching it reaches grpo as it reaches evaluate). Returns (samples, seconds the sampler stalled waiting on code
-    blocks; the rest of their execution overlaps decoding)."""
+    are `executor.rollout`'s (`rollout_fn`, default `executor.rollout` looked up at each call:
+    patching it reaches grpo as it reaches evaluate, tests/faults.md L25). Returns (samples,
+    seconds the sampler stalled waiting on code blocks; the rest of their execution overlaps
+    decoding)."""
     stats = {}
     prompts = [executor.stage_prompt_ids(tokenizer, p["problem"], stateful) for p in problems]
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
-    out = (rollout_fn or executor.rollout)(policy, tokenizer, prompts, sandbox, n=group_size, seed=seed, max_num_seqs=max_num_seqs,
-                     stats=stats, stateful=stateful, progress=progress, **sampling)
+    out = (rollout_fn or executor.rollout)(policy, tokenizer, prompts, sandbox, n=group_size, seed=seed,
+                                           max_num_seqs=max_num_seqs, stats=stats, stateful=stateful,
+                                           progress=progress, **sampling)
     policy.train(was_training)
     return out, stats.get("exec_wait_s", 0.0)
 
@@ -159,11 +161,13 @@ def batch_rewards(reward_fn, samples, problems, step: int = 0, args=None) -> tor
     takes_args = "args" in inspect.signature(reward_fn).parameters
     out = reward_fn(samples, problems, **({"args": args} if takes_args else {}))
     out = out.tolist() if getattr(out, "ndim", None) == 1 else out  # a 1-D tensor or numpy array
-    if not (isinstance(out, (list, tuple)) and len(out) == len(samples) and all(
-            isinstance(r, numbers.Real) for r in out)):
-        got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple, dict, str)) else type(out).__name__
-        raise executor.InputError(f"reward {getattr(reward_fn, '__name__', reward_fn)} at step {step} returned {got}: "
-                                  f"expected a list of {len(samples)} real numbers, one per sample")
+    seq = isinstance(out, (list, tuple))
+    odd = sorted({type(r).__name__ for r in out if not isinstance(r, numbers.Real)}) if seq else []  # words, None, ...
+    if not seq or len(out) != len(samples) or odd:
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (list, tuple, dict, str)) else "")
+        raise executor.InputError(f"reward {getattr(reward_fn, '__name__', reward_fn)} at step {step} returned {got}"
+                                  + (f" holding {', '.join(odd)}" if odd else "")
+                                  + f": expected a list of {len(samples)} real numbers, one per sample")
     for r, problem in zip(out, problems):
         if not math.isfinite(r):
             raise executor.InputError(f"reward {r} for a sample of problem {problem['id']!r}: rewards must be finite")
@@ -642,7 +646,7 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
-    p.add_argument("--reward", help="FILE.py:FUNCTION: f(samples, problems[, args]) -> floats; default 1[answer = gold]")
+    p.add_argument("--reward", help="FILE.py:FUNCTION: f(samples, problems[, args]) -> floats; default 1[answer=gold]")
     p.add_argument("--tis-cap", type=executor.nonneg_float, default=2.0,
                    help="truncated importance sampling: weight min(pi_old / pi_sampler, C) a token; 0 = off")
     # rollout

@@ -328,6 +328,49 @@ def test_reward_reads_the_models_own_answer_L7(tokenizer, model, scripted, sandb
 
 
 @pytest.mark.timeout(30)
+def test_tis_gradient_by_hand_L20():
+    """Two tokens, A = 1, ratio 1: pi_old = 0.5 and 0.2 against sampler probabilities 0.25
+    and 0.8 give weights min(2, 1.5) = 1.5 (capped) and 0.25; the loss -(1.5 + 0.25) / 2,
+    its gradient -(1.5, 0.25) / 2 = (-0.75, -0.125); mean weight 0.875, capped share 0.5.
+    Shifting the sampler's logprobs used to leave the gradient bit-identical."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    sampler = torch.tensor([[math.log(0.25), math.log(0.8)]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([1.0]), mask, sampler), old_logprobs=lp.detach(),
+                               tis_cap=1.5)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.875, abs=1e-7)
+    assert lp.grad[0].tolist() == pytest.approx([-0.75, -0.125], abs=1e-7)
+    assert (m["tis_weight"].item(), m["tis_capped"].item()) == pytest.approx((0.875, 0.5), abs=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_rewards_in_float64_and_a_patched_executor_rollout_L24_L25(tokenizer, monkeypatch):
+    """executor.rollout replaced by a replay of 4 fixed samples reaches grpo_step (it was
+    bound at import: the real sampler ran). A reward of 1.1 is recorded as 1.1, not
+    1.100000023841858 (float32), and the step's mean is (1.1 + 0 + 0 + 1) / 4 in float64."""
+    samples = [fake_sample(3, n, i, len(tokenizer)) for i, n in enumerate([2, 3, 2, 1])]
+    calls = []
+    monkeypatch.setattr(ex, "rollout", lambda *a, **k: calls.append(k["n"]) or [copy.deepcopy(s) for s in samples])
+    args = make_args(prompts_per_step=2, group_size=2)
+    lm = tiny.make_model(tokenizer).train()
+    m, rec, _ = grpo.grpo_step(lm, lm, tokenizer, GradCatcher(lm.parameters()), None, problems(2), args, grpo.Dist(),
+                               1, reward_fn=lambda smp, prb: [1.1, 0.0, 0.0, 1.0])
+    assert calls == [2] and [r["reward"] for r in rec] == [1.1, 1.0] and json.dumps(rec[0]["reward"]) == "1.1"
+    assert m["reward_mean"] == (1.1 + 0.0 + 0.0 + 1.0) / 4
+
+
+@pytest.mark.timeout(10)
+def test_make_args_keeps_the_flags_it_is_given_L26():
+    """A flag given to make_args is the run's: --micro-batch 2 and --max-new-tokens 9 were
+    silently overwritten by its tiny-run sizes (4 and 4); one given twice is refused."""
+    args = make_args("--micro-batch", "2", "--max-new-tokens=9", group_size=3)
+    assert (args.micro_batch, args.max_new_tokens, args.group_size, args.lr) == (2, 9, 3, 1e-2)
+    with pytest.raises(AssertionError, match="micro_batch"):
+        make_args("--micro-batch", "2", micro_batch=3)
+
+
+@pytest.mark.timeout(30)
 def test_nan_old_logprobs_do_not_leak_L7(tokenizer, scripted):
     short = fake_sample(3, 2, 0, len(tokenizer))  # gives the batch a padded row
     b = grpo.make_batch([scripted.samples[0], short], torch.tensor([1.0, -1.0]), tokenizer.pad_token_id)
