@@ -57,9 +57,11 @@ Departures from the paper (which does not describe these details):
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
-  4. Truncated importance sampling (Yao et al. 2025) is on, cap 2.0, as TRL's default for
-     its vLLM sampler: the sampler here is a bf16 copy too, so without it the update is
-     silently off-policy. With an fp32 sampler the weight is 1 to ~1e-6; --tis-cap 0 is off.
+  4. Truncated importance sampling (Yao et al. 2025) is on, per token, cap 2.0, as TRL's
+     GRPO turns it on by default for its vLLM sampler (cap 2.0; 3.0 in later versions): the
+     sampler here is a bf16 copy too, so without it the update is silently off-policy. An
+     fp32 sampler on CPU gives weights of 1 to ~1e-7 (a tiny model's mean gap: 1.8e-7);
+     --tis-cap 0 turns it off.
 """
 import argparse, copy, hashlib, inspect, math, numbers, os, random, runpy, sys, time
 from dataclasses import dataclass

@@ -15,7 +15,7 @@ advantage, the loss, its normaliser, the samples in it or the bounds).
 | TIS | `--tis-cap` | test_tis_weights_each_token_L20 |
 | DAPO overlong masking | `grpo.in_loss` | test_overlong_masking_keeps_zero_var_share_L21 |
 | DAPO soft length penalty | `--reward` with `args` | test_soft_length_penalty_reads_the_run_flags_L23 |
-| a TIR prompt and exemplars | `executor.SYSTEM_PROMPT`, `--exemplars` | test_tir_prompt_through_distill_and_sft_L30_L32 |
+| a TIR prompt, exemplars | `executor.SYSTEM_PROMPT`, `--exemplars` | test_tir_prompt_through_distill_and_sft_L30_L32 |
 | other clip bounds | `--eps-low/--eps-high` with `--updates-per-step` >= 2 | test_clip_bounds_with_two_updates_L14 |
 | stateful blocks | `--stateful` | test_stateful_blocks |
 """
@@ -360,7 +360,7 @@ def test_dr_grpo_L28(tokenizer, monkeypatch):
     and the loss summed over a constant, 100, not the 18 loss tokens. Rewards [1, 0], [0,
     1] give A = +-0.5 (the paper's would be +-1/sqrt 2): the gradient is -(1/100) sum A_i
     dlogp_i, and the logged loss, the token mean of -A at ratio 1, is -(0.5 x 4 - 0.5 x 6
-    - 0.5 x 5 + 0.5 x 3) / 18 = 1/9."""
+    - 0.5 x 5 + 0.5 x 3) / 18 = 1/9 (the loss is logged, tests/faults.md L22)."""
     monkeypatch.setattr(grpo, "compute_advantages", lambda samples, rewards, group_size: (
         rewards.reshape(-1, group_size) - rewards.reshape(-1, group_size).mean(dim=1, keepdim=True)).reshape(-1))
     monkeypatch.setattr(grpo, "loss_normalizer", lambda tokens, world_size: 100.0 / world_size)

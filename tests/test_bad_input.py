@@ -632,7 +632,8 @@ def test_a_reward_of_the_wrong_kind_is_one_line_B40(case):
 
     with pytest.raises(ex.InputError) as e:
         grpo.batch_rewards(my_reward, four_samples(), [PROBLEMS[0]] * 4, step=3)
-    assert str(e.value) == f"reward my_reward at step 3 returned {got}: expected a list of 4 real numbers, one per sample"
+    want = f"reward my_reward at step 3 returned {got}: expected a list of 4 real numbers, one per sample"
+    assert str(e.value) == want
     for fine in ((1, 0, True, 0.5), torch.tensor([1.0, 0.0, 0.0, 0.25])):
         rewards = grpo.batch_rewards(lambda s, p: fine, four_samples(), [PROBLEMS[0]] * 4)
         assert rewards.dtype == torch.float64 and rewards.tolist() == [float(x) for x in fine]
@@ -640,14 +641,15 @@ def test_a_reward_of_the_wrong_kind_is_one_line_B40(case):
 
 def test_a_reward_of_the_wrong_kind_stops_the_run_in_one_line_B40(files, tiny_dir, tmp_path, capsys):
     """Through the command line: exit 2, the one line, no step logged."""
-    (tmp_path / "r.py").write_text("def as_dict(samples, problems):\n    return {i: 1.0 for i in range(len(samples))}\n")
+    (tmp_path / "r.py").write_text("def as_dict(samples, problems):\n"
+                                   "    return {i: 1.0 for i in range(len(samples))}\n")
     out = str(tmp_path / "run")
     argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, "--prompts-per-step", "1", "--group-size",
             "2", "--max-new-tokens", "2", "--exec-workers", "1", "--no-progress", "--steps", "1",
             "--reward", f"{tmp_path / 'r.py'}:as_dict"]
     assert ex.cli(grpo.main, argv) == 2
-    assert capsys.readouterr().err.splitlines()[-1:] == [
-        "grpo.py: error: reward as_dict at step 1 returned dict of 2: expected a list of 2 real numbers, one per sample"]
+    assert capsys.readouterr().err.splitlines() == ["grpo.py: error: reward as_dict at step 1 returned dict of 2: "
+                                                    "expected a list of 2 real numbers, one per sample"]
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
 
 
