@@ -212,12 +212,14 @@ def test_defaults_have_no_hidden_terms_L8():
     assert (args.temperature, args.lr, args.updates_per_step) == (1.0, 1e-6, 1)
     assert (args.max_context, args.max_tool_calls, args.steps) == (16384, 20, 280)
     assert args.tis_cap == 2.0  # TIS, the one weight on the paper's loss (grpo.py departure 4)
-    # no other term: with TIS off the loss is the clipped surrogate alone, whatever the entropy
+    # no other term, whatever a flag is named: under the defaults' values, with the sampler's
+    # logprobs equal to pi_old (weight 1), the loss is the clipped surrogate alone
     torch.manual_seed(0)
     lp, old = torch.randn(3, 7), torch.randn(3, 7)
     adv, mask = torch.randn(3), torch.rand(3, 7) > 0.3
     ent = torch.rand(3, 7) * 5
-    l1, m1 = grpo.policy_loss(lp, batch=loss_batch(adv, mask), old_logprobs=old, entropy=ent)
+    flags = {k: getattr(args, k) for k in ("eps_low", "eps_high", "tis_cap")}  # the defaults' values
+    l1, m1 = grpo.policy_loss(lp, batch=loss_batch(adv, mask, old), old_logprobs=old, entropy=ent, **flags)
     l0, _ = grpo.policy_loss(lp, batch=loss_batch(adv, mask), old_logprobs=old)
     r = torch.exp(lp - old)
     ref = -torch.minimum(r * adv[:, None], r.clamp(0.8, 1.28) * adv[:, None])[mask].sum() / mask.sum()
