@@ -52,11 +52,15 @@ RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
 def split_completion(completion: str, where: str = ""):
     """Split an exemplar into (plan, [(code, output), ...], final) with the engine's parser
     (`executor.split_completion`). Raises InputError (a ValueError; its message starts with
-    `where`) unless it is a plan, then only python blocks each followed by its output
-    block, then a final text without fences."""
+    `where`) unless it is a plan, then python blocks each followed by its output block,
+    then a final text without fences. Prose after an output block is accepted and left out
+    of the blocks: the format the teacher is shown is the prompt's and its exemplars' (a
+    TIR ablation's interleave prose, tests/faults.md L32); test_distill checks that this
+    project's own exemplars hold none."""
     segs = ex.split_completion(completion)
     plan = segs.pop(0).text if segs and segs[0].kind == "plan" else ""
     final = segs.pop().text if segs and segs[-1].kind == "prose" else ""
+    segs = [s for i, s in enumerate(segs) if not (s.kind == "prose" and i and segs[i - 1].kind == "output")]
     kinds = [s.kind for s in segs]
     if not segs or kinds != ["code", "output"] * (len(segs) // 2) or "```" in final:
         raise ex.InputError(f"{where}not a plan, python blocks each followed by its output, the answer: {kinds}")

@@ -744,10 +744,16 @@ Every block is a complete program run on its own: nothing (variables, imports, f
 numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
-# --stateful (Sandbox.run's history): the same prompt, its fourth line (on blocks) for that policy
-SYSTEM_PROMPT_STATEFUL = SYSTEM_PROMPT.replace(SYSTEM_PROMPT.split("\n")[3], (
-    "The blocks run one after another as one program: variables, imports and functions of earlier blocks "
-    "are still defined, and each output shows only what that block printed."))
+# --stateful (Sandbox.run's history): its own text, so that either prompt changes alone (tests/faults.md L30)
+SYSTEM_PROMPT_STATEFUL = """You solve math problems by thinking in code.
+First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in \
+```python ... ```.
+After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
+The blocks run one after another as one program: variables, imports and functions of earlier blocks are still \
+defined, and each output shows only what that block printed.
+numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second \
+independent method), not in prose.
+When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
 ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
 
@@ -1928,10 +1934,12 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     than newline and tab (ESC, NUL, CR, C1, ...: a block's output could drive the terminal
     it is printed on) are shown escaped, as Python writes them (`\x1b`)."""
     comp, blocks = record["completion"], record.get("blocks") or []
-    plan = comp.split("```", 1)[0]
-    tail = comp[len(plan):]  # no block ran: all after the plan (an unrun block, a prose answer)
-    if blocks and "```output" in comp:  # else what the model wrote after its last output block
-        tail = comp.rsplit("```output", 1)[1].split("```", 1)[-1]
+    segs = split_completion(comp)  # the parser of every stage (tests/faults.md L31)
+    start = 1 if segs and segs[0].kind == "plan" else 0
+    plan = segs[0].text if start else ""
+    outs = [i for i, seg in enumerate(segs) if seg.kind == "output"]
+    # what the model wrote after its last output block; with no block run, all after the plan
+    tail = "".join(seg.text for seg in segs[outs[-1] + 1 if blocks and outs else start:])
     rule = "-" * width
     lines = ["=" * width, f"problem {record.get('id', '')}: {record['problem']}", rule, "plan:", plan.strip() or "(none)"]
     for i, b in enumerate(blocks, 1):

@@ -9,15 +9,22 @@ Objective (paper Sec. 3.3: GRPO, DAPO token-level normalisation and clip-higher,
 
 N counts the model-written tokens of the optimizer step over all ranks and micro-batches;
 prompt, interpreter-output and padding tokens are never in the loss. pi_old is the
-trainer's own forward before the step's first update (ratio exactly 1 with one update;
-dropout is off in training, so the trainer's logprobs are the sampler's).
+trainer's own forward before the step's first update (ratio exactly 1 with one update).
+The sampler's logprobs are not the trainer's: a bf16 copy decoding from a KV cache against
+an fp32 (autocast) or FSDP trainer differs per token (up to 7.8e-3 on a random model,
+emulated on CPU; far more reported at scale), so each token's loss is weighted by
+min(pi_old / pi_sampler, --tis-cap) (departure 4), and the mean |trainer - sampler|
+logprob is logged each step (sampler_logprob_gap) with the mean weight and capped share.
 
 The reward R is `--reward FILE.py:FUNCTION`, a batch function `reward(samples, problems) ->
 list of floats` (problems[i] is the problem of samples[i]; `answer_reward`, the paper's, by
 default); a reward that is not a finite number stops the run, naming its problem. The
 logged accuracy and the per-prompt pass rates stay `is_correct`, whatever the reward.
-Ablations each change one place: the advantage `compute_advantages` (one per sample or one
-per token), the loss `policy_loss` (`update_policy` logs every metric it returns).
+Ablations each change one place: the reward (`--reward`, which may take the run's `args`),
+the advantage `compute_advantages` (one per sample or one per token), which groups have
+signal `has_signal`, which samples enter the loss `in_loss`, the loss `policy_loss` (it gets
+the whole micro-batch; `update_policy` logs every metric it returns), its normaliser
+`loss_normalizer` (README "Forking for an ablation").
 
 Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
 one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run summary, the
@@ -50,8 +57,13 @@ Departures from the paper (which does not describe these details):
   2. --drop-solved drops a prompt whose *latest* pass-rate record was solved G/G.
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
+  4. Truncated importance sampling (Yao et al. 2025) is on, per token, cap 2.0, as TRL's
+     GRPO turns it on by default for its vLLM sampler (cap 2.0; 3.0 in later versions): the
+     sampler here is a bf16 copy too, so without it the update is silently off-policy. An
+     fp32 sampler on CPU gives weights of 1 to ~1e-7 (a tiny model's mean gap: 1.8e-7);
+     --tis-cap 0 turns it off.
 """
-import argparse, copy, hashlib, math, os, random, runpy, sys, time
+import argparse, copy, hashlib, inspect, math, numbers, os, random, runpy, sys, time
 from dataclasses import dataclass
 
 import torch
@@ -88,19 +100,22 @@ ROLLOUT_ARGS = ("group_size", "stateful", "max_num_seqs", "temperature", "top_p"
 
 
 def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, seed: int, stateful: bool = False,
-                     max_num_seqs: int = 0, progress=None, rollout_fn=executor.rollout, **sampling):
+                     max_num_seqs: int = 0, progress=None, rollout_fn=None, **sampling):
     """G = group_size samples per problem, prompt-major (result[i * G + j]), under the prompt
     of `executor.stage_prompt_ids`, in one rollout call: at most `max_num_seqs` rows decode
     at once (0 = all) and a finished sample's place goes to the next one. `sampling`
     (temperature, top_p, max_context, max_new_tokens, max_tool_calls), stateful and progress
-    are `executor.rollout`'s. Returns (samples, seconds the sampler stalled waiting on code
-    blocks; the rest of their execution overlaps decoding)."""
+    are `executor.rollout`'s (`rollout_fn`, default `executor.rollout` looked up at each call:
+    patching it reaches grpo as it reaches evaluate, tests/faults.md L25). Returns (samples,
+    seconds the sampler stalled waiting on code blocks; the rest of their execution overlaps
+    decoding)."""
     stats = {}
     prompts = [executor.stage_prompt_ids(tokenizer, p["problem"], stateful) for p in problems]
     was_training = policy.training  # the policy may be the trained module itself
     policy.eval()
-    out = rollout_fn(policy, tokenizer, prompts, sandbox, n=group_size, seed=seed, max_num_seqs=max_num_seqs,
-                     stats=stats, stateful=stateful, progress=progress, **sampling)
+    out = (rollout_fn or executor.rollout)(policy, tokenizer, prompts, sandbox, n=group_size, seed=seed,
+                                           max_num_seqs=max_num_seqs, stats=stats, stateful=stateful,
+                                           progress=progress, **sampling)
     policy.train(was_training)
     return out, stats.get("exec_wait_s", 0.0)
 
@@ -115,34 +130,50 @@ def sync_policy(model, policy):
 # Rewards and group advantages
 
 
-def answer_reward(samples, problems) -> list:
+def answer_reward(samples, problems, args=None) -> list:
     """The default reward (the paper's): 1[answer = ground truth] for each sample, problems[i]
     being the problem of samples[i]. --reward FILE.py:FUNCTION replaces it with a function of
-    the same signature (`load_reward`); the logged accuracy stays `is_correct`."""
+    the same signature (`load_reward`); the logged accuracy stays `is_correct`. `args`: the
+    run's flags (`parse_args`), passed to a reward that names it (a length penalty reads
+    `args.max_context` there); this one ignores them."""
     return [float(is_correct(s, p)) for s, p in zip(samples, problems)]
 
 
 def load_reward(spec: str):
-    """The function named by --reward FILE.py:FUNCTION, run from that file. Raises
-    InputError when the file or the function is missing."""
+    """The function named by --reward FILE.py:FUNCTION, run from that file, whose folder is
+    put on sys.path (a helper module beside it imports). Raises InputError when the file or
+    the function is missing (`--reward ''` included)."""
     path, _, name = spec.rpartition(":")
+    if path.endswith(".py") and os.path.isfile(path):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     fn = runpy.run_path(path).get(name) if path.endswith(".py") and os.path.isfile(path) else None
     if not callable(fn):
         raise executor.InputError(f"--reward {spec}: expected FILE.py:FUNCTION, a function of an existing file")
     return fn
 
 
-def batch_rewards(reward_fn, samples, problems) -> torch.Tensor:
-    """(N,) float32 rewards `reward_fn(samples, problems)`, problems[i] the problem of
-    samples[i]. Raises InputError for a reward that is not a finite number, naming its
-    problem (one NaN would make its group's advantages NaN and, after one step, every
-    weight)."""
-    rewards = [float(r) for r in reward_fn(samples, problems)]
-    assert len(rewards) == len(samples), f"the reward function gave {len(rewards)} rewards for {len(samples)} samples"
-    for r, problem in zip(rewards, problems):
+def batch_rewards(reward_fn, samples, problems, step: int = 0, args=None) -> torch.Tensor:
+    """(N,) float64 rewards (1.1 logs as 1.1) `reward_fn(samples, problems)`, problems[i] the
+    problem of samples[i], with `args=args` when the function takes an `args` keyword.
+    Raises InputError, one line naming the reward and the step, unless it returns a list,
+    tuple, 1-D tensor or array of N real numbers (a dict, a string, None, a generator, words,
+    complex or nested values, another count: tests/faults.md B40), and for a reward that is
+    not finite, naming its problem (one NaN would make its group's advantages NaN and,
+    after one step, every weight). An exception the reward raises itself propagates."""
+    takes_args = "args" in inspect.signature(reward_fn).parameters
+    out = reward_fn(samples, problems, **({"args": args} if takes_args else {}))
+    out = out.tolist() if getattr(out, "ndim", None) == 1 else out  # a 1-D tensor or numpy array
+    seq = isinstance(out, (list, tuple))
+    odd = sorted({type(r).__name__ for r in out if not isinstance(r, numbers.Real)}) if seq else []  # words, None, ...
+    if not seq or len(out) != len(samples) or odd:
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (list, tuple, dict, str)) else "")
+        raise executor.InputError(f"reward {getattr(reward_fn, '__name__', reward_fn)} at step {step} returned {got}"
+                                  + (f" holding {', '.join(odd)}" if odd else "")
+                                  + f": expected a list of {len(samples)} real numbers, one per sample")
+    for r, problem in zip(out, problems):
         if not math.isfinite(r):
             raise executor.InputError(f"reward {r} for a sample of problem {problem['id']!r}: rewards must be finite")
-    return torch.tensor(rewards)
+    return torch.tensor([float(r) for r in out], dtype=torch.float64)
 
 
 def is_correct(sample, problem) -> bool:
@@ -188,49 +219,83 @@ def compute_advantages(samples, rewards: torch.Tensor, group_size: int) -> torch
 
 # -----------------------------------------------------------------------------
 # Loss
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, eps_low: float = 0.20, eps_high: float = 0.28,
-                normalizer=None, entropy: torch.Tensor | None = None):
-    """Clipped surrogate with token-level (DAPO) aggregation:
+def has_signal(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N/G,) bool: the group's advantages ((N,) or (N, T), groups contiguous) are not all
+    exactly 0. A group without signal is dropped from the step and counted in zero_var_share."""
+    return advantages.reshape(len(advantages) // group_size, -1).ne(0).any(dim=1)
 
-        loss = sum_{b,t: mask} -min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b) / normalizer
-        r = exp(clamp(logprobs - old_logprobs, -20, 20))
+
+def in_loss(samples, advantages: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the sample enters the loss if its group has signal. The one place for a
+    per-sample mask, e.g. DAPO's overlong filter (`s.finish_reason != "length"`); it leaves
+    the groups' signal, and so zero_var_share, as it was. The paper's: every sample."""
+    return torch.ones(len(samples), dtype=torch.bool)
+
+
+def loss_normalizer(tokens: float, world_size: int) -> float:
+    """What each rank divides its micro-batches' masked sums of token losses by, given the
+    loss tokens of the whole mini-batch over all ranks. The paper's (DAPO's token mean):
+    tokens / world_size, since DDP / FSDP average gradients over ranks, so that the sum over
+    micro-steps and ranks is exactly the token mean (tests/faults.md L2). Dr. GRPO divides
+    by a constant instead (a token budget, over world_size in the same way)."""
+    return tokens / world_size
+
+
+def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tensor, normalizer=None,
+                eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0,
+                entropy: torch.Tensor | None = None):
+    """Clipped surrogate with token-level (DAPO) aggregation and truncated importance
+    sampling (TIS, Yao et al. 2025) on the sampler's logprobs:
+
+        loss = sum_{b,t: mask} -w min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b) / normalizer
+        r = exp(clamp(logprobs - old_logprobs, -20, 20)),  w = min(pi_old / pi_sampler, tis_cap), detached
 
     Args:
         logprobs: (B, T) the current policy's logprob of each token (with grad).
-        old_logprobs: (B, T) the same under pi_old. Any value, NaN included, where the mask
-            is False: it is selected away with torch.where, never multiplied by 0.
-        advantages: (B,) one per sequence, or (B, T) one per token.
-        loss_mask: (B, T) bool, True at model-written tokens.
+        batch: the micro-batch (`make_batch`), whole, so that an ablation reads what it needs:
+            advantages (B,) or (B, T), loss_mask (B, T) bool (True at model-written tokens),
+            roles and attention_mask (B, T) (the lengths), sampler_logprobs (B, T), and
+            ref_logprobs (B, T) when the step has a reference policy (`update_policy`'s
+            `reference`). Logprobs may be anything, NaN included, off the mask: they are
+            selected away with torch.where, never multiplied by 0.
+        old_logprobs: (B, T) the same tokens under pi_old (the trainer before the step).
+        normalizer: the masked sum is divided by it (`loss_normalizer`); None = this call's
+            own token count.
         eps_low, eps_high: asymmetric clip range (clip-higher).
-        normalizer: the masked sum is divided by it: the number of loss tokens of the whole
-            optimizer step (all micro-batches, all ranks), so that the sum over micro-steps and
-            ranks is exactly the token mean. None = this call's own token count.
+        tis_cap: C, the cap of the TIS weight; 0 = off (w = 1).
         entropy: (B, T) per-token entropy, for the metric only (there is no bonus term).
     Returns:
         loss: 0-dim tensor.
-        metrics: 0-dim detached tensors, means over the masked tokens: clip_frac_low (r <
-            1 - eps_low with A < 0), clip_frac_high (r > 1 + eps_high with A > 0) - the two
-            regions where the gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of
-            KL(pi_old || pi)), entropy (if given); and tokens (the count).
+        metrics: 0-dim detached tensors, means over the masked tokens: loss (the token loss
+            -w min(...), whatever the normaliser), clip_frac_low (r < 1 - eps_low with A <
+            0), clip_frac_high (r > 1 + eps_high with A > 0) - the two regions where the
+            gradient is cut - approx_kl (k3 = r - 1 - log r, an estimate of KL(pi_old ||
+            pi)), entropy (if given), with TIS on tis_weight (w) and tis_capped (the share
+            of tokens whose pi_old / pi_sampler exceeds C); and tokens (the count).
     """
-    assert logprobs.shape == old_logprobs.shape == loss_mask.shape and advantages.shape[:1] == logprobs.shape[:1]
-    mask = loss_mask.bool()  # (B, T)
-    old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs.detach())  # (B, T), NaN-free
+    mask = batch["loss_mask"].to(logprobs.device).bool()  # (B, T)
+    assert logprobs.shape == old_logprobs.shape == mask.shape and batch["advantages"].shape[:1] == logprobs.shape[:1]
+    old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs).detach()  # (B, T), NaN-free
     log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.to(logprobs.dtype).reshape(len(logprobs), -1)  # (B, 1), broadcast over T on purpose, or (B, T)
+    adv = batch["advantages"].to(logprobs).reshape(len(logprobs), -1)  # (B, 1), broadcast over T on purpose, or (B, T)
     surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
+    is_ratio = torch.where(mask, old - batch["sampler_logprobs"].to(old), 0.0).clamp(max=20.0).exp()  # (B, T)
+    weight = is_ratio.clamp(max=tis_cap) if tis_cap > 0 else torch.ones_like(is_ratio)  # (B, T), no grad
+    token_loss = torch.where(mask, -weight * surr, 0.0)  # (B, T)
     n_tokens = mask.sum()
-    loss = torch.where(mask, -surr, 0.0).sum() / (n_tokens.clamp(min=1) if normalizer is None else normalizer)
+    loss = token_loss.sum() / (n_tokens.clamp(min=1) if normalizer is None else normalizer)
 
     with torch.no_grad():
         denom = n_tokens.clamp(min=1).float()
         low = mask & (ratio < 1.0 - eps_low) & (adv < 0)  # (B, T)
         high = mask & (ratio > 1.0 + eps_high) & (adv > 0)  # (B, T)
         k3 = torch.where(mask, (ratio - 1.0) - log_ratio, 0.0).float()  # (B, T)
-        metrics = {"clip_frac_low": low.sum() / denom, "clip_frac_high": high.sum() / denom,
-                   "approx_kl": k3.sum() / denom, "tokens": n_tokens.float()}
+        metrics = {"loss": token_loss.sum().float() / denom, "clip_frac_low": low.sum() / denom,
+                   "clip_frac_high": high.sum() / denom, "approx_kl": k3.sum() / denom, "tokens": n_tokens.float()}
+        if tis_cap > 0:
+            metrics["tis_weight"] = torch.where(mask, weight, 0.0).sum().float() / denom
+            metrics["tis_capped"] = (mask & (is_ratio > tis_cap)).sum() / denom
         if entropy is not None:
             metrics["entropy"] = torch.where(mask, entropy.float(), 0.0).sum() / denom
     return loss, metrics
@@ -283,12 +348,14 @@ def _logprobs(model, mb, proc: Dist, chunk_size: int, temperature: float, with_e
                                   return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
 
 
-UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "chunk_size", "temperature", "grad_clip")
+UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "tis_cap", "chunk_size", "temperature",
+               "grad_clip")
 
 
 def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_batch: int, updates_per_step: int = 1,
-                  eps_low: float = 0.20, eps_high: float = 0.28, chunk_size: int = 1024, temperature: float = 1.0,
-                  grad_clip: float = 1.0, pad_id: int = 0, progress=None) -> dict:
+                  eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0, chunk_size: int = 1024,
+                  temperature: float = 1.0, grad_clip: float = 1.0, pad_id: int = 0, progress=None,
+                  reference=None) -> dict:
     """The training half of a GRPO step: `updates_per_step` optimizer steps over this rank's
     samples (one mini-batch each, cut into micro-batches of `micro_batch`), every rank in
     lockstep.
@@ -297,9 +364,11 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
         model: the policy as `sft.wrap_model` returned it, in train mode.
         samples: this rank's samples to learn from; advantages: (len(samples),) or
             (len(samples), T) (`compute_advantages`).
-        eps_low, eps_high: `policy_loss`'s clip range; chunk_size, temperature:
+        eps_low, eps_high, tis_cap: `policy_loss`'s; chunk_size, temperature:
             `sft.token_logprobs`'s; grad_clip: max global grad norm (0 = off).
         progress: None, or the title of a bar of the micro-batches run (`executor.progress_bar`).
+        reference: None (the paper's: no KL term), or a frozen policy on proc.device whose
+            logprobs each micro-batch then carries as ref_logprobs (B, T) into `policy_loss`.
     Returns:
         dict: sums, this rank's: loss_tokens (the `tokens` count every loss returns), every
         other metric `policy_loss` returns (a mean over its loss tokens) times those tokens,
@@ -319,6 +388,7 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
     #    fewer run dummy micro-batches so that their collectives pair up, tests/faults.md D3)
     tokens = sft.all_reduce(torch.tensor([float(sum(int(mb["loss_mask"].sum()) for mb in m)) for m in minis],
                                          dtype=torch.float64, device=proc.device)).tolist()
+    normalizers = [loss_normalizer(t, proc.world_size) for t in tokens]
     n_micro = sft.all_reduce(torch.tensor([len(m) for m in minis], device=proc.device), dist.ReduceOp.MAX).tolist()
     for k, m in enumerate(minis):
         m += [dummy_batch(pad_id) for _ in range(n_micro[k] - len(m))]
@@ -340,11 +410,12 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
             with sft.grad_sync(model, sync=j == n_micro[k] - 1):
                 logprobs, entropy = _logprobs(model, mb, proc, chunk_size, temperature, True)  # (B, T), (B, T)
                 mask = mb["loss_mask"].to(proc.device)  # (B, T)
-                # DDP / FSDP average gradients over ranks; dividing by tokens / world_size
-                # instead of tokens turns that average into the sum: grad = sum of token losses / N
-                loss, loss_metrics = policy_loss(logprobs, olds[k, j] if k > 0 else logprobs.detach(),
-                                                 mb["advantages"].to(proc.device), mask, eps_low, eps_high,
-                                                 tokens[k] / proc.world_size, entropy)
+                if reference is not None:
+                    with torch.no_grad():
+                        mb["ref_logprobs"] = _logprobs(reference, mb, proc, chunk_size, temperature, False)  # (B, T)
+                loss, loss_metrics = policy_loss(logprobs, batch=mb, old_logprobs=olds[k, j] if k > 0 else logprobs,
+                                                 normalizer=normalizers[k], eps_low=eps_low, eps_high=eps_high,
+                                                 tis_cap=tis_cap, entropy=entropy)
                 loss.backward()
             # sums over loss tokens of whatever metrics the loss returns (means over its tokens);
             # they stay on the device until the end (no host sync inside the loop)
@@ -364,7 +435,7 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
 
 
 def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc: Dist, step: int,
-              reward_fn=None, rollout_fn=executor.rollout, show_progress: bool = False):
+              reward_fn=None, rollout_fn=None, show_progress: bool = False, reference=None):
     """One GRPO step, called on every rank: rollouts, rewards, advantages, the update.
 
     Args:
@@ -375,8 +446,10 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc
         args: grpo's flags (`parse_args`).
         reward_fn: (samples, problems) -> list of floats (`answer_reward`'s signature);
             default `answer_reward`, looked up at each call.
-        rollout_fn: the sampler, `executor.rollout`; replaceable to replay fixed samples.
+        rollout_fn: the sampler, default `executor.rollout` (looked up at each call);
+            replaceable to replay fixed samples.
         show_progress: a bar for the rollout and one for the training micro-batches.
+        reference: `update_policy`'s (None: no reference policy, the paper's).
     Returns:
         (metrics: dict reduced over ranks, identical on every rank;
          records: per-prompt pass rates from every rank, on rank 0 only ([] elsewhere);
@@ -391,16 +464,18 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc
                                        rollout_fn=rollout_fn, **{k: getattr(args, k) for k in ROLLOUT_ARGS})
     rollout_bar.close()
     # 2) rewards -> advantages; a group whose advantages are all 0 carries no signal and is dropped
-    rewards = batch_rewards(reward_fn or answer_reward, samples, [problems[i // G] for i in range(len(samples))])
+    rewards = batch_rewards(reward_fn or answer_reward, samples, [problems[i // G] for i in range(len(samples))],
+                            step, args)
     advantages = compute_advantages(samples, rewards, G)  # (N,) or (N, T)
-    kept = advantages.reshape(len(problems), -1).ne(0).any(dim=1).repeat_interleave(G)  # (N,)
-    # 3) the update, on the kept groups only
+    signal = has_signal(advantages, G)  # (N/G,)
+    kept = signal.repeat_interleave(G) & in_loss(samples, advantages)  # (N,)
+    # 3) the update, on the kept samples only
     t1 = time.perf_counter()
     train = update_policy(model, optimizer, [s for s, keep in zip(samples, kept.tolist()) if keep], advantages[kept],
                           proc, pad_id=tokenizer.pad_token_id or 0, progress=show_progress and f"step {step} training",
-                          **{k: getattr(args, k) for k in UPDATE_ARGS})
+                          reference=reference, **{k: getattr(args, k) for k in UPDATE_ARGS})
     times = [t1 - t0 - t_exec, t_exec, time.perf_counter() - t1]  # rollout (less the stalls), exec stalls, training
-    return (*step_metrics(step, problems, samples, rewards, int((~kept).sum()) // G, train, times, G, optimizer, proc),
+    return (*step_metrics(step, problems, samples, rewards, int((~signal).sum()), train, times, G, optimizer, proc),
             samples)
 
 
@@ -533,14 +608,14 @@ def step_table(rows) -> str:
     return "\n".join(lines)
 
 
-def run_summary(args, problems, samples, reward_fn) -> str:
+def run_summary(args, problems, samples) -> str:
     """What a run ends with (rank 0): one sampled trajectory of its last step (samples[i]
     answers problems[i // G]) in readable form (a correct one with code if any, else the one
     with the most blocks), the per-step table of metrics.jsonl, and where the files are."""
     s, prob = max(((s, problems[i // args.group_size]) for i, s in enumerate(samples)),
                   key=lambda sp: (is_correct(*sp), len(sp[0].blocks) > 0, sp[0].finish_reason == "stop",
                                   len(sp[0].blocks)))
-    record = dict(executor.sample_record(prob, s), reward=float(reward_fn([s], [prob])[0]))
+    record = executor.sample_record(prob, s)  # (the reward is not called again: it may need whole groups)
     return "\n".join([
         "", "=" * 80, "One trajectory of the last step (rank 0):", "", executor.format_trajectory(record), "",
         "Per step (metrics.jsonl):", "",
@@ -573,7 +648,9 @@ def parse_args(argv=None):
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
-    p.add_argument("--reward", help="FILE.py:FUNCTION: f(samples, problems) -> floats; default 1[answer = gold]")
+    p.add_argument("--reward", help="FILE.py:FUNCTION: f(samples, problems[, args]) -> floats; default 1[answer=gold]")
+    p.add_argument("--tis-cap", type=executor.nonneg_float, default=2.0,
+                   help="truncated importance sampling: weight min(pi_old / pi_sampler, C) a token; 0 = off")
     # rollout
     p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
@@ -602,7 +679,7 @@ def main(argv=None, reward_fn=None):
     """Run GRPO from the command line. `reward_fn` (samples, problems) -> floats replaces
     --reward when called from Python (tests)."""
     args = parse_args(argv)
-    reward_fn = reward_fn or (load_reward(args.reward) if args.reward else answer_reward)
+    reward_fn = reward_fn or (load_reward(args.reward) if args.reward is not None else answer_reward)
     rank, _, world, device = sft.setup_distributed(args.seed)
     # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
     args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
@@ -687,7 +764,7 @@ def main(argv=None, reward_fn=None):
     bar.close()
     sft.print0(f"done: step {step}" + (f"; checkpoint {latest}" if os.path.isdir(latest) else "; nothing to run"))
     if rank == 0 and samples:
-        print(run_summary(args, batch, samples, reward_fn), flush=True)
+        print(run_summary(args, batch, samples), flush=True)
     sft.cleanup_distributed()
 
 

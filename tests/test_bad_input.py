@@ -10,6 +10,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 import distill
 import evaluate as ev
@@ -600,3 +601,73 @@ def test_a_model_folder_inside_out_is_refused_B15(tmp_path):
     with pytest.raises(ex.InputError, match=f"--out {run}: the run would write {model}, which is its input"):
         ex.check_out(str(run), "sft", (str(model), None), [str(run / "args.json")])
     ex.check_out(str(run), "sft", (str(tmp_path / "elsewhere.jsonl"), None), [str(run / "args.json")])
+
+
+# -----------------------------------------------------------------------------
+# A user's reward (grpo.py --reward FILE.py:FUNCTION)
+
+
+def four_samples():
+    return [ex.Sample(prompt_ids=[1], ids=[1, 2], roles=[ex.ROLE_PROMPT, ex.ROLE_MODEL], logprobs=[float("nan"), -1.0])
+            for _ in range(4)]
+
+
+BAD_REWARDS = [  # (what the reward returns, what the one line says it returned)
+    ({0: 1.0, 1: 0.0, 2: 0.0, 3: 1.0}, "dict of 4"), ("1010", "str of 4"), ([1.0, 0.0, 1.0], "list of 3"),
+    (None, "NoneType"), (["one", "two", "three", "four"], "list of 4 holding str"), (1.0, "float"),
+    ((x for x in [1.0] * 4), "generator"), ([1j, 0j, 0j, 1j], "list of 4 holding complex"),
+    ([[1.0], [0.0], [0.0], [1.0]], "list of 4 holding list"), ([1.0, None, 0.0, 0.0], "list of 4 holding NoneType"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REWARDS, ids=lambda c: c[1])
+def test_a_reward_of_the_wrong_kind_is_one_line_B40(case):
+    """What grpo checks of a reward's return gets one line naming the reward, the step and
+    what was expected (a dict trained on its keys, '1010' on its characters; the rest ended
+    in a traceback deep in grpo.py). A tuple, a 1-D tensor, ints and bools are numbers."""
+    value, got = case
+
+    def my_reward(samples, problems):
+        return value
+
+    with pytest.raises(ex.InputError) as e:
+        grpo.batch_rewards(my_reward, four_samples(), [PROBLEMS[0]] * 4, step=3)
+    want = f"reward my_reward at step 3 returned {got}: expected a list of 4 real numbers, one per sample"
+    assert str(e.value) == want
+    for fine in ((1, 0, True, 0.5), torch.tensor([1.0, 0.0, 0.0, 0.25])):
+        rewards = grpo.batch_rewards(lambda s, p: fine, four_samples(), [PROBLEMS[0]] * 4)
+        assert rewards.dtype == torch.float64 and rewards.tolist() == [float(x) for x in fine]
+
+
+def test_a_reward_of_the_wrong_kind_stops_the_run_in_one_line_B40(files, tiny_dir, tmp_path, capsys):
+    """Through the command line: exit 2, the one line, no step logged."""
+    (tmp_path / "r.py").write_text("def as_dict(samples, problems):\n"
+                                   "    return {i: 1.0 for i in range(len(samples))}\n")
+    out = str(tmp_path / "run")
+    argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, "--prompts-per-step", "1", "--group-size",
+            "2", "--max-new-tokens", "2", "--exec-workers", "1", "--no-progress", "--steps", "1",
+            "--reward", f"{tmp_path / 'r.py'}:as_dict"]
+    assert ex.cli(grpo.main, argv) == 2
+    assert capsys.readouterr().err.splitlines() == ["grpo.py: error: reward as_dict at step 1 returned dict of 2: "
+                                                    "expected a list of 2 real numbers, one per sample"]
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+
+
+def test_an_empty_reward_is_refused_B41(files, tiny_dir, tmp_path, capsys):
+    """`--reward ''` fell back to the default reward without a word."""
+    out = str(tmp_path / "new")
+    argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, "--reward", ""]
+    assert "--reward : expected FILE.py:FUNCTION" in _refused(grpo, argv, tmp_path, capsys, out)
+
+
+def test_a_reward_file_imports_a_helper_beside_it_B42(tmp_path, monkeypatch):
+    """A reward file next to a helper module it imports loads and runs (its folder was not on
+    sys.path: ModuleNotFoundError)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "thinc_b42_helper", raising=False)
+    (tmp_path / "thinc_b42_helper.py").write_text("def score(sample):\n    return 0.5 * len(sample.ids)\n")
+    (tmp_path / "uses_helper.py").write_text("from thinc_b42_helper import score\n\n\n"
+                                             "def reward(samples, problems):\n    return [score(s) for s in samples]\n")
+    fn = grpo.load_reward(f"{tmp_path / 'uses_helper.py'}:reward")
+    assert grpo.batch_rewards(fn, four_samples(), [PROBLEMS[0]] * 4).tolist() == [1.0] * 4
+    sys.modules.pop("thinc_b42_helper", None)

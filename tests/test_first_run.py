@@ -126,6 +126,16 @@ def test_format_trajectory_shows_plan_blocks_outputs_answer_and_reward():
     assert text.endswith("answer None vs reference '5': wrong; 0 blocks, 31 model tokens, finish stop")
 
 
+def test_format_trajectory_parses_with_split_completion_L31():
+    """A plan that names a fence inside a line (no block starts there) is shown whole, as
+    every stage's parser (`split_completion`) reads it; its own split at the first three
+    backticks cut it to "Use " before."""
+    comp = "Use ```python blocks.\n```python\nprint(5)\n```\n```output\n5\n```\n\\boxed{5}"
+    text = ex.format_trajectory(dict(RECORD, completion=comp, blocks=[{"code": "print(5)\n", "output": "5\n",
+                                                                       "status": "ok"}]))
+    assert "plan:\nUse ```python blocks.\n" in text and "after the last output:\n\\boxed{5}\n" in text
+
+
 def test_grpo_run_ends_with_a_trajectory_the_step_table_and_the_files(tiny_dir, tmp_path, capsys):
     data = tmp_path / "probs.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"

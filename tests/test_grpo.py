@@ -34,15 +34,27 @@ from executor import ROLE_MODEL, ROLE_OUTPUT, ROLE_PROMPT, Sample  # noqa: E402
 
 
 def make_args(*extra, **kw):
-    """grpo's argparse defaults for a tiny CPU run, overridden by keyword (dashes as _)."""
+    """grpo's flags for a tiny CPU run: argparse's defaults, then the sizes below, then the
+    command-line flags `extra`, then keywords `kw` (dashes as _). A flag given in `extra` is
+    never overwritten by the sizes below; one given both ways is an error."""
     base = {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4, "micro_batch": 4,
-            "max_num_seqs": 0, "lr": 1e-2, "save_every": 0}
-    base.update(kw)
+            "max_num_seqs": 0, "lr": 1e-2, "save_every": 0,
+            "tis_cap": 0.0}  # fake_sample's sampler logprobs are made up (-1.0): TIS is tested on its own
     argv = ["--out", "unused"] + list(extra)  # the default --data (a parse checks that it exists)
     args = grpo.parse_args(argv)
-    for k, v in base.items():
-        setattr(args, k, v)
+    flags = {a[2:].split("=")[0].replace("-", "_") for a in extra if a.startswith("--")}
+    assert not flags & set(kw), f"given as a flag and as a keyword: {flags & set(kw)}"
+    for k, v in {**base, **kw}.items():
+        if k not in flags:
+            setattr(args, k, v)
     return args
+
+
+def loss_batch(advantages, mask, sampler_logprobs=None):
+    """The micro-batch fields `policy_loss` reads; sampler logprobs default to NaN (TIS off)."""
+    nan = torch.full(mask.shape, float("nan"))
+    return {"advantages": advantages, "loss_mask": mask, "sampler_logprobs": nan if sampler_logprobs is None
+            else sampler_logprobs}
 
 
 def problems(n):
@@ -159,8 +171,8 @@ def test_policy_loss_values_and_gradients_L4():
              (0.79, -1, 0.8, True), (1.5, -1, 1.5, False), (1.0, 1, -1.0, False), (1.0, -1, 1.0, False)]
     for r, A, want, clipped in cases:
         lp = torch.tensor([[math.log(r)]], requires_grad=True)
-        loss, m = grpo.policy_loss(lp, torch.zeros(1, 1), torch.tensor([float(A)]), torch.ones(1, 1, dtype=torch.bool),
-                                   0.2, 0.28)
+        loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([float(A)]), torch.ones(1, 1, dtype=torch.bool)),
+                                   old_logprobs=torch.zeros(1, 1), eps_low=0.2, eps_high=0.28)
         loss.backward()
         assert loss.item() == pytest.approx(want, abs=1e-6), (r, A)
         assert (lp.grad.item() == 0.0) == clipped, (r, A, lp.grad)
@@ -175,7 +187,7 @@ def test_token_level_weights_L1():
     mask[0, :10] = True
     mask[1, :] = True
     old = torch.where(mask, torch.zeros(2, 1000), torch.full((2, 1000), float("nan")))
-    loss, m = grpo.policy_loss(lp, old, torch.tensor([1.0, -1.0]), mask)
+    loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([1.0, -1.0]), mask), old_logprobs=old)
     loss.backward()
     # the objective's weight of every valid token is A_i / 1010 (the loss gradient is its negative)
     assert torch.allclose(lp.grad[0, :10], torch.full((10,), -1 / 1010))
@@ -199,17 +211,21 @@ def test_defaults_have_no_hidden_terms_L8():
     assert (args.group_size, args.prompts_per_step, args.eps_low, args.eps_high) == (8, 128, 0.20, 0.28)
     assert (args.temperature, args.lr, args.updates_per_step) == (1.0, 1e-6, 1)
     assert (args.max_context, args.max_tool_calls, args.steps) == (16384, 20, 280)
-    assert not [k for k in vars(args) if "kl" in k or "entropy" in k or "coef" in k]
+    assert args.tis_cap == 2.0  # TIS, the one weight on the paper's loss (grpo.py departure 4)
+    # no other term, whatever a flag is named: under the defaults' values, with the sampler's
+    # logprobs equal to pi_old (weight 1), the loss is the clipped surrogate alone
     torch.manual_seed(0)
     lp, old = torch.randn(3, 7), torch.randn(3, 7)
     adv, mask = torch.randn(3), torch.rand(3, 7) > 0.3
     ent = torch.rand(3, 7) * 5
-    l1, m1 = grpo.policy_loss(lp, old, adv, mask, entropy=ent)
-    l0, _ = grpo.policy_loss(lp, old, adv, mask)
+    flags = {k: getattr(args, k) for k in ("eps_low", "eps_high", "tis_cap")}  # the defaults' values
+    l1, m1 = grpo.policy_loss(lp, batch=loss_batch(adv, mask, old), old_logprobs=old, entropy=ent, **flags)
+    l0, _ = grpo.policy_loss(lp, batch=loss_batch(adv, mask), old_logprobs=old)
     r = torch.exp(lp - old)
     ref = -torch.minimum(r * adv[:, None], r.clamp(0.8, 1.28) * adv[:, None])[mask].sum() / mask.sum()
     assert l1.item() == l0.item() == pytest.approx(ref.item(), abs=1e-6)  # entropy is a metric, not a term
-    assert {"clip_frac_low", "clip_frac_high", "approx_kl", "entropy"} <= set(m1)
+    assert {"loss", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy"} <= set(m1)
+    assert m1["loss"].item() == pytest.approx(ref.item(), abs=1e-6)  # the loss is logged
 
 
 # -----------------------------------------------------------------------------
@@ -314,13 +330,56 @@ def test_reward_reads_the_models_own_answer_L7(tokenizer, model, scripted, sandb
 
 
 @pytest.mark.timeout(30)
+def test_tis_gradient_by_hand_L20():
+    """Two tokens, A = 1, ratio 1: pi_old = 0.5 and 0.2 against sampler probabilities 0.25
+    and 0.8 give weights min(2, 1.5) = 1.5 (capped) and 0.25; the loss -(1.5 + 0.25) / 2,
+    its gradient -(1.5, 0.25) / 2 = (-0.75, -0.125); mean weight 0.875, capped share 0.5.
+    Shifting the sampler's logprobs used to leave the gradient bit-identical."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    sampler = torch.tensor([[math.log(0.25), math.log(0.8)]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([1.0]), mask, sampler), old_logprobs=lp.detach(),
+                               tis_cap=1.5)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.875, abs=1e-7)
+    assert lp.grad[0].tolist() == pytest.approx([-0.75, -0.125], abs=1e-7)
+    assert (m["tis_weight"].item(), m["tis_capped"].item()) == pytest.approx((0.875, 0.5), abs=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_rewards_in_float64_and_a_patched_executor_rollout_L24_L25(tokenizer, monkeypatch):
+    """executor.rollout replaced by a replay of 4 fixed samples reaches grpo_step (it was
+    bound at import: the real sampler ran). A reward of 1.1 is recorded as 1.1, not
+    1.100000023841858 (float32), and the step's mean is (1.1 + 0 + 0 + 1) / 4 in float64."""
+    samples = [fake_sample(3, n, i, len(tokenizer)) for i, n in enumerate([2, 3, 2, 1])]
+    calls = []
+    monkeypatch.setattr(ex, "rollout", lambda *a, **k: calls.append(k["n"]) or [copy.deepcopy(s) for s in samples])
+    args = make_args(prompts_per_step=2, group_size=2)
+    lm = tiny.make_model(tokenizer).train()
+    m, rec, _ = grpo.grpo_step(lm, lm, tokenizer, GradCatcher(lm.parameters()), None, problems(2), args, grpo.Dist(),
+                               1, reward_fn=lambda smp, prb: [1.1, 0.0, 0.0, 1.0])
+    assert calls == [2] and [r["reward"] for r in rec] == [1.1, 1.0] and json.dumps(rec[0]["reward"]) == "1.1"
+    assert m["reward_mean"] == (1.1 + 0.0 + 0.0 + 1.0) / 4
+
+
+@pytest.mark.timeout(10)
+def test_make_args_keeps_the_flags_it_is_given_L26():
+    """A flag given to make_args is the run's: --micro-batch 2 and --max-new-tokens 9 were
+    silently overwritten by its tiny-run sizes (4 and 4); one given twice is refused."""
+    args = make_args("--micro-batch", "2", "--max-new-tokens=9", group_size=3)
+    assert (args.micro_batch, args.max_new_tokens, args.group_size, args.lr) == (2, 9, 3, 1e-2)
+    with pytest.raises(AssertionError, match="micro_batch"):
+        make_args("--micro-batch", "2", micro_batch=3)
+
+
+@pytest.mark.timeout(30)
 def test_nan_old_logprobs_do_not_leak_L7(tokenizer, scripted):
     short = fake_sample(3, 2, 0, len(tokenizer))  # gives the batch a padded row
     b = grpo.make_batch([scripted.samples[0], short], torch.tensor([1.0, -1.0]), tokenizer.pad_token_id)
     old = b["sampler_logprobs"]  # NaN at prompt, output-block and pad positions
     assert old[~b["loss_mask"]].isnan().all() and not old[b["loss_mask"]].isnan().any()
     lp = torch.where(b["loss_mask"], old, torch.randn(old.shape)).requires_grad_(True)  # ratio 1 on model tokens
-    loss, m = grpo.policy_loss(lp, old, b["advantages"], b["loss_mask"])
+    loss, m = grpo.policy_loss(lp, batch=b, old_logprobs=old, tis_cap=2.0)
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
     assert (lp.grad[~b["loss_mask"]] == 0).all() and (lp.grad[b["loss_mask"]] != 0).all()
