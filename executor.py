@@ -2056,7 +2056,9 @@ def extract_answer(text: str, prose_only: bool = True):
 _LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
 _NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
                     r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
-_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
+_ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
+_CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
 _UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
 _WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
 _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
@@ -2068,14 +2070,15 @@ _NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
 _VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
                 "billion": r"\cdot10^{9}", "trillion": r"\cdot10^{12}", "tenth": r"\cdot\frac{1}{10}",
                 "hundredth": r"\cdot\frac{1}{100}", "thousandth": r"\cdot\frac{1}{1000}", "squared": "^{2}",
-                "cubed": "^{3}", "pi": r"\pi"}
+                "cubed": "^{3}", "pi": r"\pi", "factorial": "!"}
 _VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
                          + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
 
 
 def with_value_words(answer: str) -> str:
     """`answer` with each value word written as its factor: `5 million` -> `5\\cdot10^{6}`,
-    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`."""
+    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`, and an
+    operator word as its operator: `4 factorial` -> `4 !` (24, not 4 with a unit; tests/faults.md A14)."""
     return _VALUE_WORD.sub(lambda m: _VALUE_WORDS[m[2].lower()], answer)
 
 
@@ -2086,22 +2089,25 @@ def number_value(answer: str):
     only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
     integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
     `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
-    degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
-    unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
-    `70ways`; `70x` is not read), but a word that changes the value (`with_value_words`:
-    `5 million`, `2 dozen`, `70 pi`) is never a unit: such an answer is not read, and
-    `5 squared` is 25. Not read: a comma followed by a space (`12, 345` is a
-    list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
-    digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
-    an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
+    degree sign), `\\text{...}` (and `\\underline`, `\\boldsymbol`, `\\bm`), outer `{}` / `()`,
+    a trailing `.` or `,`, an ordinal suffix (`25^{\\text{th}}`), a leading choice label
+    (`\\textbf{(B)}~25`; tests/faults.md A13), and a trailing unit (`\\text{ cm}`, or a word
+    of two or more letters after the number: `70 cm`, `70ways`; `70x` is not read), but a word
+    that changes the value (`with_value_words`: `5 million`, `2 dozen`, `70 pi`, `4 factorial`;
+    A11, A14) is never a unit: such an answer is not read, and `5 squared` is 25. Not read:
+    a comma followed by a space (`12, 345` is a list) and digits split by a space (`7 0`). A
+    power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it equals no answer; never
+    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
     """
     s = with_value_words(answer.strip().replace("\u2212", "-"))
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
     s = _NOISE.sub("", s)
     s = _TEXT.sub(r"\1", s)
+    s = _ORDINAL.sub("", s)
     s = _UNIT_WORD.sub("", s)
     s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
+    s = _CHOICE_LABEL.sub("", s)
     s = _WRAPPED.sub(r"\1", s).rstrip(".")
     s = _FRACTION.sub(r"\1/\2", s)
     if _NUMBER.fullmatch(s):
