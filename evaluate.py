@@ -249,9 +249,8 @@ def summarize(records) -> dict:
     """{benchmark: metrics} with, per benchmark: n_problems, n_samples, k (fewest samples
     of any problem) and k_max, avg_at_k and avg_at_k_std, pass_at_k {str(k): value} for
     k = 1, 2, 4, ... <= k and k itself, best_at_k (pass@k at k), by_subject {subject:
-    n_problems, k, avg_at_k(_std), maj_at_k, best_at_k} ({} without subjects),
-    maj_at_k (over all samples), code_grounded
-    {rate, count}, recovery {str(k): {value, count}} for k = 1..5, and the
+    n_problems, k, avg_at_k(_std), maj_at_k, best_at_k} ({} without subjects), maj_at_k
+    (over all samples), code_grounded {rate, count}, recovery {str(k): {value, count}} for k = 1..5, and the
     trajectory_stats keys. Raises ValueError on no records."""
     if not records:
         raise ValueError("summarize: no records")
@@ -302,9 +301,10 @@ def _row(*cells) -> str:
 
 def markdown_table(metrics: dict) -> str:
     """Two markdown tables for {benchmark: metrics} (as from summarize): accuracy
-    (avg@k +- std, maj@k, pass@k at the largest k = best@k, in %; a row per subject under its
-    benchmark; a `mean` row of the benchmarks' avg@k when there are several) and diagnostics (per-trajectory means, code-grounded
-    rate, Recovery@1..5 with their counts, finish-reason shares)."""
+    (avg@k +- std, maj@k, pass@k at the largest k = best@k, in %; a row per subject under
+    its benchmark; a `mean` row of the benchmarks' avg@k when there are several) and
+    diagnostics (per-trajectory means, code-grounded rate, Recovery@1..5 with their counts,
+    finish-reason shares)."""
     acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k = best@k |", "|---" * 6 + "|"]
     diag = [_row("benchmark", "tool calls", "code lines", "errors", "model tokens", "plan share", "prose words",
                  "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),

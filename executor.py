@@ -1821,8 +1821,8 @@ def read_problems(path: str) -> list:
     come back as stripped strings. The id is a string or an integer; a missing (or null)
     id becomes "<file stem>-<line>". A multiple-choice line (with "choices", or GPQA's
     "Correct Answer"; its id may be GPQA's "Record ID") becomes a prompt with lettered
-    options and a gold letter (`multiple_choice_row`). Ids must be unique: resume, pass rates and
-    --drop-solved key on them. Blank lines are skipped.
+    options and a gold letter (`multiple_choice_row`). Ids must be unique: resume, pass
+    rates and --drop-solved key on them. Blank lines are skipped.
 
     Raises:
         OSError: no such file, or a folder.
@@ -2104,7 +2104,8 @@ def number_value(answer: str):
     A11, A14) is never a unit: such an answer is not read, and `5 squared` is 25. Not read:
     a comma followed by a space (`12, 345` is a list) and digits split by a space (`7 0`). A
     power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it equals no answer; never
-    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
+    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read.
+    Linear-time regexes; never raises on str input.
     """
     s = with_value_words(answer.strip().replace("\u2212", "-"))
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
@@ -2156,7 +2157,7 @@ def multiple_choice_row(where: str, row: dict) -> None:
     InputError naming the field: a missing or blank question or option, a repeated option, a
     letter that names no option."""
     if "Correct Answer" in row:
-        keys = ["Question", "Correct Answer"] + [k for k in (f"Incorrect Answer {i}" for i in (1, 2, 3)) if k in row]
+        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
         question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
         gold = 0
     else:

@@ -430,7 +430,7 @@ def test_ordinals_emphasis_and_choice_labels_are_read_A13(pred, right):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pred,gold,right", [
     ("4 factorial", "4", False), (r"4\text{ factorial}", "4", False), ("5 factorial", "5", False),
-    ("4 factorial", "24", True), (r"4\text{ factorial}", "24", True), ("5 factorial", "120", True),   # 4! = 24, 5! = 120
+    ("4 factorial", "24", True), (r"4\text{ factorial}", "24", True), ("5 factorial", "120", True),   # 4!, 5!
 ])
 def test_operator_words_are_applied_A14(pred, gold, right):
     assert grade(pred, gold, timeout=SLOW_OK) is right

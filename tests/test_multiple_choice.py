@@ -86,6 +86,8 @@ def test_gold_letters_are_balanced_over_400_ids_A15():
     ({"id": "a", "choices": ["x", "y"], "answer": "A"}, "field 'question' must be a string"),
     (dict(GPQA_ROW, Question=""), "field 'Question' is blank"),
     ({k: v for k, v in GPQA_ROW.items() if k != "Question"}, "field 'Question' must be a string"),
+    ({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 3"}, "field 'Incorrect Answer 3' must be a string"),
+    (dict(GPQA_ROW, **{"Incorrect Answer 2": "Nitrogen "}), "an option is repeated"),
 ])
 def test_bad_multiple_choice_rows_are_refused_A15(tmp_path, row, what):
     with pytest.raises(ex.InputError, match=r"mc.jsonl:2: " + what):
