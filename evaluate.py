@@ -6,11 +6,14 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
 
     avg@k   = 1/k sum_j acc(run j), reported +- the std of acc(run j) over the k runs
     pass@k  = mean_problems [1 - C(n - c, k) / C(n, k)]      (Chen et al. 2021, unbiased)
+    best@k  = pass@k at the full k (the paper's name: best@16 on GPQA-Diamond)
     maj@k   = mean_problems 1[the most frequent answer (grouped by grade) is correct]
     code-grounded rate = share of answered samples whose answer appears in an execution output
     Recovery@k (k = 1..5) = accuracy among samples whose first k code blocks all failed
 plus per-trajectory code lines, code blocks, tool calls, execution errors, model tokens,
-plan tokens and plan share, prose written after the plan, and finish reasons.
+plan tokens and plan share, prose written after the plan, and finish reasons. When rows
+carry a subject (MATH's `subject`, GPQA's `High-level domain`) the accuracy is also split by
+subject. A multiple-choice benchmark (executor.multiple_choice_row) is graded by its letter.
 
 Reads: a model (HF directory, .gguf, or a packaged name) and problems JSONL files
 ({"id", "problem", "answer"}; the file stem names the benchmark). Writes, in --out:
@@ -54,6 +57,7 @@ from collections import Counter, defaultdict
 import executor as ex
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
+SUBJECT_FIELDS = ("subject", "High-level domain")   # a row's subject, for the per-subject split
 
 # -----------------------------------------------------------------------------
 # Accuracy: avg@k, pass@k, maj@k
@@ -103,6 +107,12 @@ def mean_pass_at_k(records, k: int) -> float:
                  for rs in _group(records, "benchmark", "id").values())
 
 
+def _ballot(record):
+    """What a sample votes for: its pred; for a multiple-choice row the letter its pred names
+    (`executor.choice_letter`: `C` and `(C) 42 J` are one vote; None, no vote)."""
+    return ex.choice_letter(record["pred"], record["choices"]) if record.get("choices") else record["pred"]
+
+
 def majority_answer(records, equal=ex.grade):
     """The voted record of one problem. Records with a pred vote, grouped by the grader's
     equivalence: a pred joins the first group whose first pred it equals (the same string,
@@ -112,8 +122,9 @@ def majority_answer(records, equal=ex.grade):
     sample_idx. Returns the winning group's first record, or None if no record has an
     answer."""
     groups = []   # in first-vote order
-    for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
-        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), [])
+    for r in sorted((r for r in records if _ballot(r)), key=lambda r: r["sample_idx"]):
+        g = next((g for g in groups if _ballot(r) == _ballot(g[0])
+                  or not r.get("choices") and equal(r["pred"], g[0]["pred"])), [])
         if not g:
             groups.append(g)
         g.append(r)
@@ -124,7 +135,7 @@ def majority_answer(records, equal=ex.grade):
 def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
-    answer at all counts as wrong."""
+    answer at all counts as wrong (a multiple-choice sample votes for its letter: `_ballot`)."""
     voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
              for rs in _group(records, "benchmark", "id").values()]
     return _mean(v is not None and bool(v["correct"]) for v in voted)
@@ -237,12 +248,27 @@ def trajectory_stats(records) -> dict:
 def summarize(records) -> dict:
     """{benchmark: metrics} with, per benchmark: n_problems, n_samples, k (fewest samples
     of any problem) and k_max, avg_at_k and avg_at_k_std, pass_at_k {str(k): value} for
-    k = 1, 2, 4, ... <= k and k itself, maj_at_k (over all samples), code_grounded
-    {rate, count}, recovery {str(k): {value, count}} for k = 1..5, and the
+    k = 1, 2, 4, ... <= k and k itself, best_at_k (pass@k at k), by_subject {subject:
+    n_problems, k, avg_at_k(_std), maj_at_k, best_at_k} ({} without subjects), maj_at_k
+    (over all samples), code_grounded {rate, count}, recovery {str(k): {value, count}} for k = 1..5, and the
     trajectory_stats keys. Raises ValueError on no records."""
     if not records:
         raise ValueError("summarize: no records")
     return {bench: _bench_metrics(rs) for (bench,), rs in sorted(_group(records, "benchmark").items())}
+
+
+def _accuracy(rs) -> dict:
+    """n_problems, k (fewest samples of any problem), avg_at_k and its std, maj_at_k and
+    best_at_k (pass@k at that k: the paper's best@16 is pass@16) of some records."""
+    k = min(len(v) for v in _group(rs, "benchmark", "id").values())
+    return {"n_problems": len(_group(rs, "benchmark", "id")), "k": k,
+            **dict(zip(("avg_at_k", "avg_at_k_std"), avg_at_k(rs))), "maj_at_k": maj_at_k(rs),
+            "best_at_k": mean_pass_at_k(rs, k)}
+
+
+def _subject(record):
+    """A row's subject (MATH's `subject`, GPQA's `High-level domain`), or None."""
+    return next((record[f] for f in SUBJECT_FIELDS if isinstance(record.get(f), str)), None)
 
 
 def _bench_metrics(rs) -> dict:
@@ -250,10 +276,11 @@ def _bench_metrics(rs) -> dict:
     sizes = [len(v) for v in _group(rs, "benchmark", "id").values()]
     k = min(sizes)
     ks = sorted({2 ** i for i in range(k.bit_length())} | {k})   # 2 ** (bit_length - 1) <= k
+    subjects = sorted({_subject(r) for r in rs} - {None})
     return {
-        "n_problems": len(sizes), "n_samples": len(rs), "k": k, "k_max": max(sizes),
-        **dict(zip(("avg_at_k", "avg_at_k_std"), avg_at_k(rs))), "maj_at_k": maj_at_k(rs),
+        **_accuracy(rs), "n_samples": len(rs), "k_max": max(sizes),
         "pass_at_k": {str(j): mean_pass_at_k(rs, j) for j in ks},
+        "by_subject": {s: _accuracy([r for r in rs if _subject(r) == s]) for s in subjects},
         "code_grounded": dict(zip(("rate", "count"), code_grounded_rate(rs))),
         "recovery": {str(j): dict(zip(("value", "count"), recovery_at_k(rs, j))) for j in RECOVERY_KS},
         **trajectory_stats(rs),
@@ -274,10 +301,11 @@ def _row(*cells) -> str:
 
 def markdown_table(metrics: dict) -> str:
     """Two markdown tables for {benchmark: metrics} (as from summarize): accuracy
-    (avg@k +- std, maj@k, pass@k at the largest k, in %; a `mean` row of the benchmarks'
-    avg@k when there are several) and diagnostics (per-trajectory means, code-grounded
-    rate, Recovery@1..5 with their counts, finish-reason shares)."""
-    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k |", "|---" * 6 + "|"]
+    (avg@k +- std, maj@k, pass@k at the largest k = best@k, in %; a row per subject under
+    its benchmark; a `mean` row of the benchmarks' avg@k when there are several) and
+    diagnostics (per-trajectory means, code-grounded rate, Recovery@1..5 with their counts,
+    finish-reason shares)."""
+    acc = ["| benchmark | problems | k | avg@k | maj@k | pass@k = best@k |", "|---" * 6 + "|"]
     diag = [_row("benchmark", "tool calls", "code lines", "errors", "model tokens", "plan share", "prose words",
                  "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),
             "|---" * (9 + len(RECOVERY_KS)) + "|"]
@@ -285,6 +313,8 @@ def markdown_table(metrics: dict) -> str:
         top = max(m["pass_at_k"], key=int)
         acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
                         _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
+        acc += [_row(f"{bench}: {s}", a["n_problems"], a["k"], f"{_pct(a['avg_at_k'])} ± {_pct(a['avg_at_k_std'])}",
+                     _pct(a["maj_at_k"]), f"{_pct(a['best_at_k'])} (k={a['k']})") for s, a in m["by_subject"].items()]
         rec = [f"{_pct(r['value'])} ({r['count']})" for r in (m["recovery"][str(j)] for j in RECOVERY_KS)]
         ends = " / ".join(_pct(m["finish_reasons"].get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
         diag.append(_row(bench, _num(m["tool_calls"]), _num(m["code_lines"]), _num(m["exec_errors"]),

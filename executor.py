@@ -64,6 +64,7 @@ import errno
 import functools
 import gc
 import glob
+import hashlib
 import io
 import json
 import linecache
@@ -1824,8 +1825,10 @@ def read_problems(path: str) -> list:
     worked `solution` (MATH) whose last \boxed{} is taken as the answer. The problem is a
     string, the answer a string or a number (read exactly, see `_problem_value`); both
     come back as stripped strings. The id is a string or an integer; a missing (or null)
-    id becomes "<file stem>-<line>". Ids must be unique: resume, pass rates and
-    --drop-solved key on them. Blank lines are skipped.
+    id becomes "<file stem>-<line>". A multiple-choice line (with "choices", or GPQA's
+    "Correct Answer"; its id may be GPQA's "Record ID") becomes a prompt with lettered
+    options and a gold letter (`multiple_choice_row`). Ids must be unique: resume, pass
+    rates and --drop-solved key on them. Blank lines are skipped.
 
     Raises:
         OSError: no such file, or a folder.
@@ -1838,6 +1841,13 @@ def read_problems(path: str) -> list:
     stem = os.path.splitext(os.path.basename(path))[0]
     for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
+        pid = row.get("id", row.get("Record ID"))   # (GPQA's rows name themselves "Record ID")
+        pid = f"{stem}-{lineno}" if pid is None else pid
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")
+        row["id"] = str(pid)
+        if "choices" in row or "Correct Answer" in row:   # before the fields: it writes "problem" and "answer"
+            multiple_choice_row(where, row)
         # (MATH-style files have a worked `solution` whose final \boxed{} is the answer)
         for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
@@ -1849,10 +1859,6 @@ def read_problems(path: str) -> list:
                 if value is None:
                     raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
             row[field] = value
-        pid = f"{stem}-{lineno}" if row.get("id") is None else row["id"]
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")
-        row["id"] = str(pid)
         if row["id"] in first_line:
             raise InputError(f"{where}: field 'id': {row['id']!r} already on line {first_line[row['id']]} "
                              "(ids must be unique: resume and pass rates key on them)")
@@ -1920,7 +1926,8 @@ def sample_record(problem: dict, sample) -> dict:
     completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
     completion_tokens (model + output tokens), model_tokens, plan_tokens (sampled tokens
     before the first ```python line), blocks and the rollout seed."""
-    return dict(problem, completion=sample.text, pred=sample.pred, correct=grade(sample.pred, problem["answer"]),
+    correct = grade(sample.pred, problem["answer"], choices=problem.get("choices"))
+    return dict(problem, completion=sample.text, pred=sample.pred, correct=correct,
                 finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
                 n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
                 completion_tokens=len(sample.ids) - len(sample.prompt_ids), model_tokens=sample.n_model_tokens,
@@ -2064,7 +2071,9 @@ def extract_answer(text: str, prose_only: bool = True):
 _LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
 _NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
                     r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
-_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
+_ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
+_CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
 _UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
 _WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
 _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
@@ -2076,14 +2085,15 @@ _NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
 _VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
                 "billion": r"\cdot10^{9}", "trillion": r"\cdot10^{12}", "tenth": r"\cdot\frac{1}{10}",
                 "hundredth": r"\cdot\frac{1}{100}", "thousandth": r"\cdot\frac{1}{1000}", "squared": "^{2}",
-                "cubed": "^{3}", "pi": r"\pi"}
+                "cubed": "^{3}", "pi": r"\pi", "factorial": "!"}
 _VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
                          + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
 
 
 def with_value_words(answer: str) -> str:
     """`answer` with each value word written as its factor: `5 million` -> `5\\cdot10^{6}`,
-    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`."""
+    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`, and an
+    operator word as its operator: `4 factorial` -> `4 !` (24, not 4 with a unit; tests/faults.md A14)."""
     return _VALUE_WORD.sub(lambda m: _VALUE_WORDS[m[2].lower()], answer)
 
 
@@ -2094,22 +2104,26 @@ def number_value(answer: str):
     only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
     integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
     `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
-    degree sign), `\\text{...}`, outer `{}` / `()`, a trailing `.` or `,`, and a trailing
-    unit (`\\text{ cm}`, or a word of two or more letters after the number: `70 cm`,
-    `70ways`; `70x` is not read), but a word that changes the value (`with_value_words`:
-    `5 million`, `2 dozen`, `70 pi`) is never a unit: such an answer is not read, and
-    `5 squared` is 25. Not read: a comma followed by a space (`12, 345` is a
-    list) and digits split by a space (`7 0`). A power with more than MAX_ANSWER_CHARS + 1
-    digits is math.inf (it equals no answer; never computed). Unicode minus is `-`;
-    an answer over MAX_ANSWER_CHARS is not read. Linear-time regexes; never raises on str input.
+    degree sign), `\\text{...}` (and `\\underline`, `\\boldsymbol`, `\\bm`), outer `{}` / `()`,
+    a trailing `.` or `,`, an ordinal suffix (`25^{\\text{th}}`), a leading choice label
+    (`\\textbf{(B)}~25`; tests/faults.md A13), and a trailing unit (`\\text{ cm}`, or a word
+    of two or more letters after the number: `70 cm`, `70ways`; `70x` is not read), but a word
+    that changes the value (`with_value_words`: `5 million`, `2 dozen`, `70 pi`, `4 factorial`;
+    A11, A14) is never a unit: such an answer is not read, and `5 squared` is 25. Not read:
+    a comma followed by a space (`12, 345` is a list) and digits split by a space (`7 0`). A
+    power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it equals no answer; never
+    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read.
+    Linear-time regexes; never raises on str input.
     """
     s = with_value_words(answer.strip().replace("\u2212", "-"))
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
     s = _NOISE.sub("", s)
     s = _TEXT.sub(r"\1", s)
+    s = _ORDINAL.sub("", s)
     s = _UNIT_WORD.sub("", s)
     s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
+    s = _CHOICE_LABEL.sub("", s)
     s = _WRAPPED.sub(r"\1", s).rstrip(".")
     s = _FRACTION.sub(r"\1/\2", s)
     if _NUMBER.fullmatch(s):
@@ -2120,6 +2134,74 @@ def number_value(answer: str):
             return math.inf
         return Fraction(base ** exp * (-1 if m[1] else 1))
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# Multiple choice (the paper's out-of-domain check: GPQA-Diamond, four options)
+# ---------------------------------------------------------------------------------------
+
+LETTERS = "ABCDEFGHIJ"   # option labels: at most 10 options (MMLU-Pro has 10, GPQA 4)
+MC_INSTRUCTION = "Give the letter of the correct option as the final answer, e.g. \\boxed{A}."
+_LETTER = re.compile(r"\(?([A-J])\)?[.:]?")   # C, (C), C., C:
+_LABELLED = re.compile(r"\(([A-J])\)\s*(?!.*\([A-J]\))(.*)", re.S)   # (C) its text; not `(A) or (C)`
+
+
+def choice_order(pid: str, n: int) -> list[int]:
+    """The options' order in the prompt: a permutation of range(n) drawn from sha256 of the
+    problem id alone (not Python's salted hash()), so every policy, run and rank sees the
+    same letters. Option order[i] is shown as LETTERS[i]."""
+    order = list(range(n))
+    random.Random(int.from_bytes(hashlib.sha256(pid.encode()).digest()[:8], "big")).shuffle(order)
+    return order
+
+
+def multiple_choice_row(where: str, row: dict) -> None:
+    """Turn a multiple-choice problems line (its "id" already a string) into a free-text
+    prompt, in place: "problem" becomes the question, a blank line, one `(A) option` line
+    per option in `choice_order`, a blank line and MC_INSTRUCTION; "choices" the option texts
+    in letter order; "answer" the letter of the correct option. Two forms are read: GPQA's
+    (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
+    [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
+    InputError naming the field: a missing or blank question or option, a repeated option, a
+    letter that names no option."""
+    if "Correct Answer" in row:
+        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
+        question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
+        gold = 0
+    else:
+        key = "problem" if "problem" in row else "question"
+        question = _problem_value(where, key, row.get(key), numbers_ok=False)
+        if not isinstance(row["choices"], list) or not 2 <= len(row["choices"]) <= len(LETTERS):
+            raise InputError(f"{where}: field 'choices' must be a list of 2 to {len(LETTERS)} options")
+        options = [_problem_value(where, f"choices[{i}]", c, numbers_ok=True) for i, c in enumerate(row["choices"])]
+        letter = _problem_value(where, "answer", row.get("answer"), numbers_ok=False)
+        gold = LETTERS.find(letter) if len(letter) == 1 else -1
+        if not 0 <= gold < len(options):
+            raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
+    if len(set(options)) < len(options):
+        raise InputError(f"{where}: an option is repeated: the letter it names would be ambiguous")
+    order = choice_order(row["id"], len(options))
+    row["choices"] = [options[i] for i in order]
+    lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
+    row.update(problem="\n".join([question, "", *lines, "", MC_INSTRUCTION]), answer=LETTERS[order.index(gold)])
+
+
+def _option_text(text: str) -> str:
+    return " ".join(text.split()).strip(" .$").lower()
+
+
+def choice_letter(answer, choices: list):
+    """The letter an answer names among `choices` (option texts in letter order), or None.
+    Read, in this order: a letter (`C`, `(C)`, `C.`, `c`, also inside `\\text{}`), the text of
+    exactly one option (blanks, case, a final `.` and `$` aside), a labelled answer (`(C) ...`,
+    whatever follows the label unless it holds a second label). Not read: two letters (`A, C`, `AC`,
+    `(A) or (C)`), a letter past the last option, any other text (tests/faults.md A16)."""
+    s = _option_text(_TEXT.sub(r"\1", str(answer))) if answer else ""
+    m = _LETTER.fullmatch(s.upper())
+    hits = [m[1]] if m else [x for x, c in zip(LETTERS, choices) if _option_text(c) == s]
+    if not hits and (m := _LABELLED.fullmatch(s.upper())):   # after the texts: an option may be `(A) ...`
+        hits = [m[1]]
+    return hits[0] if len(hits) == 1 and LETTERS.index(hits[0]) < len(choices) else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -2218,9 +2300,10 @@ os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is 
 # Grade
 # ---------------------------------------------------------------------------------------
 
-def grade(pred, gold: str, timeout: float = 1.0) -> bool:
+def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
     """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
-    then Math-Verify).
+    then Math-Verify); for a multiple-choice row (`choices`, its option texts in letter
+    order) 1[pred and gold name the same letter] (`choice_letter`), never Math-Verify.
 
     pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
     allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
@@ -2230,6 +2313,9 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
+    if choices is not None:
+        letter = choice_letter(pred, choices)
+        return letter is not None and letter == choice_letter(gold, choices)
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:

@@ -180,7 +180,8 @@ def is_correct(sample, problem) -> bool:
     """The answer in the model's own text equals the gold answer (the logged accuracy).
     `sample.pred` comes from model-written tokens only, so an output block printing
     \\boxed{...} earns nothing (tests/faults.md L7)."""
-    return bool(sample.pred is not None and executor.grade(sample.pred, str(problem["answer"])))
+    return bool(sample.pred is not None
+                and executor.grade(sample.pred, str(problem["answer"]), choices=problem.get("choices")))
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

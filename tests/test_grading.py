@@ -410,3 +410,28 @@ def test_many_boxes_extract_in_linear_time_A12():
 def test_plain_numbers_still_compare_as_math_verify_does_A10(pred, gold):
     """Math-Verify's exact number branches stay: a percentage is its value (50 percent is 1/2)."""
     assert grade(pred, gold, timeout=SLOW_OK) is True
+
+
+# --- A13: ordinals, emphasis and a choice label around an integer ---------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,right", [
+    (r"25^{\text{th}}", True), (r"25^\text{th}", True), ("25^{th}", True), (r"\underline{25}", True),
+    (r"\boldsymbol{25}", True), (r"\bm{25}", True), (r"\textbf{(B)}~25", True), (r"(B)\ 25", True),
+    (r"24^{\text{th}}", False), (r"\textbf{(B)}~24", False), (r"\textbf{(B)}", False), (r"\underline{24}", False),
+])
+def test_ordinals_emphasis_and_choice_labels_are_read_A13(pred, right):
+    """Against gold 25: the wrappers go, the number stays; a label alone or another number is wrong."""
+    assert grade(pred, "25", timeout=SLOW_OK) is right
+
+
+# --- A14: a word that is an operator is applied, never dropped as a unit ----------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold,right", [
+    ("4 factorial", "4", False), (r"4\text{ factorial}", "4", False), ("5 factorial", "5", False),
+    ("4 factorial", "24", True), (r"4\text{ factorial}", "24", True), ("5 factorial", "120", True),   # 4!, 5!
+])
+def test_operator_words_are_applied_A14(pred, gold, right):
+    assert grade(pred, gold, timeout=SLOW_OK) is right
+    assert number_value(pred) is None   # `4 !`: not one number, so Math-Verify decides (it reads n!)
