@@ -51,7 +51,7 @@ Departures from the paper (which does not describe these details):
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
 """
-import argparse, copy, hashlib, math, os, random, runpy, sys, time
+import argparse, copy, datetime, hashlib, math, os, random, runpy, sys, time
 from dataclasses import dataclass
 
 import torch
@@ -603,7 +603,9 @@ def main(argv=None, reward_fn=None):
     --reward when called from Python (tests)."""
     args = parse_args(argv)
     reward_fn = reward_fn or (load_reward(args.reward) if args.reward else answer_reward)
-    rank, _, world, device = sft.setup_distributed(args.seed)
+    # a step's first collective waits for the slowest rank's rollouts (hours at 32K tokens and
+    # 40 blocks) or rank 0's save: far past NCCL's default 10 minutes (tests/faults.md D5)
+    rank, _, world, device = sft.setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
     # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
     args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
     proc = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
@@ -647,7 +649,7 @@ def main(argv=None, reward_fn=None):
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
-    step = 0
+    step, skipped = 0, 0
     if args.resume:
         state = sft.load_trainer_state(args.resume, optimizer,
                                        logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
@@ -669,6 +671,9 @@ def main(argv=None, reward_fn=None):
             batch = stream.next(args.prompts_per_step)
             metrics, records, samples = grpo_step(model, policy, tokenizer, optimizer, sandbox, batch, args, proc, step,
                                                   reward_fn=reward_fn, show_progress=show_bars)
+            # a non-finite gradient norm: the update was skipped (sft.optimizer_step, tests/faults.md D10)
+            skipped = 0 if math.isfinite(metrics["grad_norm"] or 0.0) else skipped + 1
+            metrics.update(skipped_in_a_row=skipped, grad_norm=None if skipped else metrics["grad_norm"])
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
@@ -677,6 +682,7 @@ def main(argv=None, reward_fn=None):
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
                             tokens=metrics["model_tokens_per_sample"], refresh=False)
             bar.update(1)
+            sft.stop_after_skips(skipped, args.max_skipped_steps)
             if args.save_every and step % args.save_every == 0 or step == args.steps:
                 say(f"step {step}: writing checkpoint {latest} ...")
                 t0 = time.perf_counter()
