@@ -51,7 +51,7 @@ Departures from the paper (which does not describe these details):
   3. fp32 master weights train under bf16 autocast on GPU (as sft.py); rollouts run on a
      bf16 copy synced every step, at most --max-num-seqs sequences at once per rank.
 """
-import argparse, copy, datetime, hashlib, math, os, random, runpy, sys, time
+import argparse, datetime, hashlib, math, os, random, runpy, sys, time
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +107,13 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, s
 
 def sync_policy(model, policy):
     """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
-    calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
-    policy.load_state_dict(sft.full_state_dict(model, cpu_offload=False), strict=False)
+    calls it: under FSDP it gathers one parameter at a time, cast to the rollout dtype first
+    (a collective, outside the sampler): never the whole fp32 model on every GPU."""
+    target = dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, p in sft.unwrap_model(model).named_parameters():
+            p = p.detach().to(target[name].dtype)  # (FSDP: this rank's shard, cast)
+            target[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
 # -----------------------------------------------------------------------------
@@ -581,6 +586,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
     p.add_argument("--max-num-seqs", type=executor.nonneg_int, default=32, help="sequences at once a rank; 0 = all")
+    p.add_argument("--kv-cache-gb", type=executor.nonneg_float, default=0.0, help="GiB of KV cache a rank; caps "
+                   "--max-num-seqs; 0 = 90%% of GPU memory less the training state (none on CPU)")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
@@ -637,15 +644,24 @@ def main(argv=None, reward_fn=None):
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
-    if rank == 0:  # every check passed: the run's first write
-        os.makedirs(args.out, exist_ok=True)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
-    stream = PromptStream(problems, args.seed, rank, world)
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
     # itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
     share = not args.fsdp and proc.autocast_dtype is None
-    policy = None if share else copy.deepcopy(lm).to(device, proc.autocast_dtype or torch.float32).requires_grad_(False)
+    # the KV cache the engine can reach fits the budget: rows admitted (tests/faults.md D12)
+    kv_bytes = 2 if proc.autocast_dtype else 4
+    state = sft.state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer,
+                          0 if share else kv_bytes)
+    args.max_num_seqs, plan = sft.memory_plan(lm.config, kv_bytes, args.max_num_seqs, args.max_context,
+                                              args.kv_cache_gb, state, device)
+    sft.print0(plan)
+    if rank == 0:  # every check passed: the run's first write
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
+    stream = PromptStream(problems, args.seed, rank, world)
+    # the rollout copy is loaded in its own dtype: no second fp32 model in host RAM a rank
+    policy = None if share else executor.load_model(args.resume or args.model, dtype=str(
+        proc.autocast_dtype or torch.float32).removeprefix("torch."), device=device)[0].requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)

@@ -85,6 +85,45 @@ def barrier():
         dist.barrier()
 
 
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """KV cache bytes of one token: 2 (K, V) x layers x KV heads x head_dim x dtype bytes.
+    Qwen3-4B in bf16: 2 x 36 x 8 x 128 x 2 = 147,456 (tests/faults.md D12)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
+
+
+def state_gib(n_params: int, world: int = 1, fsdp: bool = False, shard: bool = False,
+              rollout_bytes: int = 0) -> float:
+    """GiB a rank holds for `n_params` parameters: training (fp32 weights and gradients, 8
+    bytes a parameter, sharded by FSDP; AdamW's two moments, 8, sharded by FSDP or ZeRO), and
+    a rollout copy of `rollout_bytes` a parameter (whole on every rank; 0 = none)."""
+    return n_params * (8 / (world if fsdp else 1) + 8 / (world if fsdp or shard else 1) + rollout_bytes) / 2 ** 30
+
+
+def memory_plan(config, dtype_bytes: int, max_num_seqs: int, max_context: int, kv_cache_gb: float, state: float,
+                device) -> tuple:
+    """The rows a rank decodes at once (the engine's --max-num-seqs) so that the KV cache they
+    can reach, rows x max_context tokens x `kv_bytes_per_token`, fits the budget:
+    `kv_cache_gb` GiB, or with 0 on CUDA 90% of the GPU's memory less `state` GiB (the
+    model and optimizer state a rank holds; vLLM's gpu_memory_utilization), on CPU no limit.
+    Returns (rows, 0 = all; the plan in one line). Raises InputError when no row fits."""
+    bpt = kv_bytes_per_token(config, dtype_bytes)
+    row = bpt * max_context / 2 ** 30  # GiB a row can reach
+    total = torch.cuda.mem_get_info(device)[1] / 2 ** 30 if device.type == "cuda" else 0.0  # GiB
+    budget = kv_cache_gb or max(0.9 * total - state, 1e-9 * total)  # (a full GPU: a budget no row fits)
+    rows = max_num_seqs
+    if budget:
+        if budget < row:
+            raise executor.InputError(f"--kv-cache-gb: one row of {max_context} tokens needs {row:.2f} GiB of KV "
+                                      f"cache, over the budget of {budget:.2f} GiB: lower --max-context")
+        rows = min(max_num_seqs or 1 << 30, int(budget // row))
+    cache = f"{rows * row:.1f} GiB" if rows else "no cap"
+    return rows, (f"memory plan a rank: KV cache {bpt:,} bytes a token x {rows or 'all'} rows x {max_context:,} tokens"
+                  f" = {cache} at most (budget {f'{budget:.1f} GiB' if budget else 'none'}); "
+                  f"model + optimizer state {state:.1f} GiB")
+
+
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce a tensor over ranks (`op`: sum by default); returns a new tensor, a copy on
     one process. The one all-reduce helper of every stage."""
@@ -410,9 +449,10 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
 def optimizer_step(model, optimizer, grad_clip: float) -> float:
     """Clip the global gradient norm to `grad_clip` (0 = no clipping), step, and clear the
     gradients. Returns the norm before clipping; when it is not finite (an inf or NaN
-    gradient, or loss) the step is skipped: weights and AdamW state stay as they were. Under DDP the gradients are views into its
-    all-reduce buckets (`gradient_as_bucket_view`) and are zeroed in place: set to None,
-    the next micro-steps under no_sync would allocate a second full copy of them."""
+    gradient, or loss) the step is skipped: weights and AdamW state stay as they were.
+    Under DDP the gradients are views into its all-reduce buckets (`gradient_as_bucket_view`)
+    and are zeroed in place: set to None, the next micro-steps under no_sync would allocate
+    a second full copy of them."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     if math.isfinite(norm):  # the same norm on every rank: all skip together (tests/faults.md D10)
@@ -483,7 +523,8 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP: this rank's shard
     bad = all_reduce(torch.tensor(float(sum(not bool(p.isfinite().all()) for p in params)), device=params[0].device))
     if bad > 0:  # never over the last good checkpoint (tests/faults.md D11)
-        raise RuntimeError(f"{out_dir} not written: {int(bad)} weight tensors are not finite; the last checkpoint stays")
+        raise RuntimeError(f"{out_dir} not written: {int(bad)} weight tensors are not finite; "
+                           "the last checkpoint stays")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -779,6 +820,8 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
+    print0(f"memory plan a rank: model + optimizer state "
+           f"{state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer):.1f} GiB")
 
     # 2) optimizer, schedule, resume
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)

@@ -240,6 +240,67 @@ def test_checkpoint_is_never_written_from_nonfinite_weights_D11(tokenizer, tmp_p
     assert not os.path.exists(path + ".tmp")
 
 
+# -----------------------------------------------------------------------------
+# The memory plan (one process)
+
+
+def test_kv_bytes_per_token_by_hand_D12(tokenizer):
+    """2 (K, V) x layers x KV heads x head_dim x bytes: the tiny Qwen3 (2 layers, 2 KV heads,
+    head_dim 16) in fp32 is 2 x 2 x 2 x 16 x 4 = 512; Qwen3-4B's shape in bf16 is
+    2 x 36 x 8 x 128 x 2 = 147,456 (the README's figure)."""
+    from transformers import Qwen3Config
+    assert sft.kv_bytes_per_token(tiny.make_model(tokenizer).config, 4) == 512
+    q4b = Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      hidden_size=2560)
+    assert sft.kv_bytes_per_token(q4b, 2) == 147_456
+
+
+def test_memory_plan_caps_rows_to_the_budget_D12(tokenizer):
+    """A row of 1,024 tokens at 512 bytes reaches 2^19 bytes = 2^-11 GiB: a budget of 5.5 rows
+    admits 5 (of --max-num-seqs 32, or of 0 = all); 0 on CPU admits --max-num-seqs; a budget
+    under one row is refused. State per rank: 2^30 parameters x 16 bytes over 8 FSDP ranks =
+    2 GiB, + 2 for a bf16 rollout copy; ZeRO on 8 ranks: 8 + 1 = 9 GiB."""
+    cfg, cpu = tiny.make_model(tokenizer).config, torch.device("cpu")
+    rows, line = sft.memory_plan(cfg, 4, 32, 1024, 5.5 / 2 ** 11, 4.0, cpu)
+    assert rows == 5 and line == ("memory plan a rank: KV cache 512 bytes a token x 5 rows x 1,024 tokens = 0.0 GiB "
+                                  "at most (budget 0.0 GiB); model + optimizer state 4.0 GiB")
+    assert sft.memory_plan(cfg, 4, 0, 1024, 5.5 / 2 ** 11, 0.0, cpu)[0] == 5
+    assert sft.memory_plan(cfg, 4, 3, 1024, 5.5 / 2 ** 11, 0.0, cpu)[0] == 3
+    assert sft.memory_plan(cfg, 4, 32, 1024, 0.0, 0.0, cpu)[0] == 32
+    with pytest.raises(ex.InputError, match="one row of 1024 tokens needs 0.00 GiB"):
+        sft.memory_plan(cfg, 4, 32, 1024, 0.5 / 2 ** 11, 0.0, cpu)
+    assert sft.state_gib(2 ** 30, 8, fsdp=True, rollout_bytes=2) == 4.0
+    assert sft.state_gib(2 ** 30, 8, shard=True) == 9.0 and sft.state_gib(2 ** 30) == 16.0
+
+
+def test_paper_scale_plan_in_the_readme_D13():
+    """The README's rows: Qwen3-4B (4.02e9 parameters; 147,456 bytes a token), FSDP-8 with a bf16
+    rollout copy, the default budget (90% of the GPU less the state): H200 (139.8 GiB) and
+    H100 80 GB (79.6 GiB) at 16K and 32K."""
+    from transformers import Qwen3Config
+    q4b = Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      hidden_size=2560)
+    state = sft.state_gib(4.02e9, 8, fsdp=True, rollout_bytes=2)
+    assert round(state, 1) == 15.0
+    rows = {(gpu, ctx): sft.memory_plan(q4b, 2, 32, ctx, 0.9 * total - state, state, torch.device("cpu"))[0]
+            for gpu, total in (("H200", 139.8), ("H100", 79.6)) for ctx in (16384, 32768)}
+    assert rows == {("H200", 16384): 32, ("H200", 32768): 24, ("H100", 16384): 25, ("H100", 32768): 12}
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "| H200 (139.8 GiB) | 16K | 2.25 | 110.8 | 32 (of 32) | 72.0 |" in readme
+
+
+def test_stage_admits_rows_by_kv_budget_D12(tiny_dir, tmp_path, capsys):
+    """grpo.py --kv-cache-gb: the tiny model (fp32, 512 bytes a token) at --max-context 2048
+    reaches 2^20 bytes a row; a budget of 3.5 rows admits 3 of --max-num-seqs 32, printed in
+    one line and recorded in args.json."""
+    data = _write_problems(tmp_path / "p.jsonl", 2)
+    out = str(tmp_path / "o")
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--max-context", "2048", "--kv-cache-gb", str(3.5 * 2 ** -10)),
+              reward_fn=_alternate)
+    assert "KV cache 512 bytes a token x 3 rows x 2,048 tokens" in capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "args.json")))["max_num_seqs"] == 3
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     torch.set_num_threads(1)
     i = sys.argv.index("--worker")
