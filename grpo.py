@@ -32,8 +32,8 @@ step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, rewar
     torchrun --standalone --nproc_per_node=8 grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
 
 --steps is a global counter that --resume continues: the paper's stages end at steps 280,
-400 and >= 500 (stage 2 and 3 with --resume and --drop-solved of the earlier stage's
-pass_rates.jsonl). --resume restores weights, optimizer, step, data position and RNG; the
+400 and >= 500 (stages 2 and 3 with --resume and --drop-solved of stage 1's pass_rates.jsonl,
+copied aside at step 280; the run's own live file is refused: a resume would drop other prompts). --resume restores weights, optimizer, step, data position and RNG; the
 flags given now (budgets, --steps) apply. A prompt with no room for a token under
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
@@ -615,6 +615,11 @@ def main(argv=None, reward_fn=None):
     rank, _, world, device = sft.setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
     # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
     args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
+    sft.check_torch(args, device)
+    live = os.path.join(args.out, "pass_rates.jsonl")  # grows every step (tests/faults.md L16)
+    if args.drop_solved and os.path.exists(live) and os.path.samefile(args.drop_solved, live):
+        raise executor.InputError(f"--drop-solved {args.drop_solved}: this run's live pass rates; drop from a copy "
+                                  "frozen at the end of stage 1 (README: Running at paper scale)")
     proc = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")

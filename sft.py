@@ -610,6 +610,18 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
 
 
+def check_torch(args, device, version: str = torch.__version__):
+    """Refuse flags this torch cannot run (tests/faults.md D14): --fsdp needs
+    torch.distributed.fsdp.fully_shard (torch >= 2.6); bf16 FSDP with --grad-checkpointing (on
+    CUDA without --fp32) hits a recompute error in backward before torch 2.13. Raises InputError."""
+    have = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    if args.fsdp and have < (2, 6):
+        raise executor.InputError(f"--fsdp needs torch >= 2.6 (fully_shard), this is {version}: upgrade, or use DDP")
+    if args.fsdp and args.grad_checkpointing and device.type == "cuda" and not args.fp32 and have < (2, 13):
+        raise executor.InputError(f"--fsdp --grad-checkpointing in bf16 needs torch >= 2.13 (a recompute error in "
+                                  f"backward before it), this is {version}: upgrade, or drop --grad-checkpointing")
+
+
 def optimizer_layout(fsdp: bool, shard: bool, world: int) -> str:
     """How a run splits AdamW's state over its ranks: 'full' (one rank, or DDP: any number
     of ranks loads it), else 'FSDP over N ranks' or 'ZeRO over N ranks' (N files, one a rank)."""
@@ -789,6 +801,7 @@ def main(argv=None):
     args.data_sha256 = hashlib.sha256(pathlib.Path(args.data).read_bytes()).hexdigest()[:16]
     rank, _, world, device = setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
     args.resume = check_run_dirs("sft.py", args, ("log.jsonl", "final"), RESUME_SAME)
+    check_torch(args, device)
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
     accum, rest = divmod(args.global_batch, args.micro_batch * world)
     if rest:

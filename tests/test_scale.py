@@ -301,6 +301,58 @@ def test_stage_admits_rows_by_kv_budget_D12(tiny_dir, tmp_path, capsys):
     assert json.load(open(os.path.join(out, "args.json")))["max_num_seqs"] == 3
 
 
+# -----------------------------------------------------------------------------
+# Versions and stages (one process)
+
+
+@pytest.mark.parametrize("version, flags, device, refused", [
+    ("2.5.1", ["--fsdp"], "cpu", "--fsdp needs torch >= 2.6"),
+    ("2.12.0+cu126", ["--fsdp", "--grad-checkpointing"], "cuda", "in bf16 needs torch >= 2.13"),
+    ("2.12.0", ["--fsdp", "--grad-checkpointing", "--fp32"], "cuda", None),
+    ("2.12.0", ["--fsdp", "--grad-checkpointing"], "cpu", None),  # (fp32 on CPU)
+    ("2.13.0", ["--fsdp", "--grad-checkpointing"], "cuda", None),
+    ("2.5.1", [], "cuda", None)])
+def test_torch_versions_refused_where_they_fail_D14(version, flags, device, refused):
+    args = grpo.parse_args(["--out", "x", *flags])
+    if refused:
+        with pytest.raises(ex.InputError, match=refused):
+            sft.check_torch(args, torch.device(device), version)
+    else:
+        sft.check_torch(args, torch.device(device), version)
+
+
+def test_requirements_torch_floor_is_what_fsdp_needs_D14():
+    line = next(x for x in open(os.path.join(ROOT, "requirements.txt")) if x.startswith("torch"))
+    assert line.split()[0] == "torch>=2.6"
+
+
+def test_drop_solved_naming_the_live_pass_rates_is_refused_L16(tiny_dir, tmp_path):
+    """A resume of stage 2 with --drop-solved out/pass_rates.jsonl (the file the run appends to
+    every step): one line, nothing run; a frozen copy of it is accepted."""
+    data = _write_problems(tmp_path / "p.jsonl", 4)
+    out = str(tmp_path / "o")
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1"), reward_fn=_alternate)
+    live = os.path.join(out, "pass_rates.jsonl")
+    before = open(live).read()
+    with pytest.raises(ex.InputError, match="this run's live pass rates"):
+        grpo.main(_cli(tiny_dir, data, out, "--steps", "2", "--resume", os.path.join(out, "latest"),
+                       "--drop-solved", live), reward_fn=_alternate)
+    assert open(live).read() == before
+    frozen = str(tmp_path / "stage1_pass_rates.jsonl")
+    with open(frozen, "w") as f:
+        f.write(before)
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "2", "--resume", os.path.join(out, "latest"),
+                   "--drop-solved", frozen), reward_fn=_alternate)
+    assert [m["step"] for m in ex.read_jsonl_tolerant(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
+def test_docstring_and_readme_state_one_drop_solved_rule_L16():
+    assert "--drop-solved of stage 1's pass_rates.jsonl" in grpo.__doc__.replace("\n", " ")
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert readme.count("--drop-solved runs/rl_stage1_pass_rates.jsonl") == 2
+    assert "stages 2 and 3 both drop the prompts solved G/G in stage 1's pass rates" in readme.replace("\n", " ")
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     torch.set_num_threads(1)
     i = sys.argv.index("--worker")
