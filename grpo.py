@@ -43,6 +43,9 @@ batch; 1 is on-policy (ratio exactly 1). --max-num-seqs: sequences decoding at o
 group's G sequences share their prompt's prefill). --save-every: steps between writes of out/latest
 (a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
+--kv-cache-gb: the rows a rank decodes at once are also capped so that their KV cache fits it
+(`sft.memory_plan`, printed at start). A step whose gradient norm is not finite is skipped and
+logged; --max-skipped-steps in a row end the run. --dist-timeout: hours a collective waits.
 
 Departures from the paper (which does not describe these details):
   1. Groups whose advantages are all 0 (all-equal rewards) are dropped from the loss and
