@@ -33,8 +33,9 @@ step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, rewar
 
 --steps is a global counter that --resume continues: the paper's stages end at steps 280,
 400 and >= 500 (stages 2 and 3 with --resume and --drop-solved of stage 1's pass_rates.jsonl,
-copied aside at step 280; the run's own live file is refused: a resume would drop other prompts). --resume restores weights, optimizer, step, data position and RNG; the
-flags given now (budgets, --steps) apply. A prompt with no room for a token under
+copied aside at step 280; the run's own live file is refused: a resume would drop other
+prompts). --resume restores weights, optimizer, step, data position and RNG; the flags given
+now (budgets, --steps) apply. A prompt with no room for a token under
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
 (executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout

@@ -69,10 +69,11 @@ def two_ranks(tmp_path_factory, tiny_dir):
 
 @pytest.mark.timeout(500)
 def test_slow_rank_outlasting_default_timeout_finishes_its_step_D5(two_ranks):
-    """Rank 1's step starts its work only once rank 0 waits in the step's first collective
-    (a file rank 0 writes), then takes 5 s more, against a default collective timeout
-    patched to 1 s (NCCL's 10 minutes, scaled down): the step still ends on both ranks,
-    because grpo.py sets its own (--dist-timeout, 24 h by default)."""
+    """Rank 1's reward (its rollout's last work before the step's first collective) waits for
+    a file rank 0 writes as it goes on to that collective, then takes 5 s more, against a
+    default collective timeout patched to 1 s (NCCL's 10 minutes, scaled down): the step still
+    ends on both ranks, because grpo.py sets its own (--dist-timeout, 24 h by default). The
+    sleep only makes the old code fail; the new code passes however slow the machine is."""
     r0, r1 = two_ranks.res
     assert r0["d5_error"] is None and r1["d5_error"] is None
     rows = ex.read_jsonl_tolerant(str(two_ranks.dir / "d5" / "metrics.jsonl"))
@@ -116,7 +117,7 @@ def test_resume_on_another_world_size_is_refused_D8(two_ranks, tmp_path, ckpt, e
 
 def _worker(out, tiny_dir, data):
     import torch.distributed.distributed_c10d as c10d
-    c10d.default_pg_timeout = timedelta(seconds=1)  # torch's default, scaled down from NCCL's 10 min
+    torch_default, c10d.default_pg_timeout = c10d.default_pg_timeout, timedelta(seconds=1)  # NCCL's 10 min, scaled
     rank = int(os.environ["RANK"])
     res = {"rank": rank}
     sft.cleanup_distributed = lambda: None  # several command-line runs share this process group
@@ -140,6 +141,7 @@ def _worker(out, tiny_dir, data):
     except Exception as e:  # (the old code: a gloo timeout on rank 0, then a closed connection)
         res["d5_error"] = f"{type(e).__name__}: {e}"[:500]
         raise
+    c10d.default_pg_timeout = torch_default  # (for any group made later: a loaded machine is slow)
 
     # checkpoints of the two sharded layouts: FSDP and ZeRO, 1 step each
     grpo.main(_cli(tiny_dir, data, os.path.join(out, "fsdp"), "--steps", "1", "--fsdp"), reward_fn=_alternate)
