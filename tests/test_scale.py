@@ -242,6 +242,21 @@ def test_checkpoint_is_never_written_from_nonfinite_weights_D11(tokenizer, tmp_p
     assert not os.path.exists(path + ".tmp")
 
 
+def test_sft_stops_after_nonfinite_steps_in_a_row_D10(tiny_dir, tmp_path, monkeypatch, capsys):
+    """sft.py: every gradient norm inf (clip_grad_norm_ reporting inf), --max-skipped-steps 2:
+    log.jsonl has steps 1 and 2 with grad_norm null and skipped_in_a_row 1, 2; exit status 1."""
+    from test_sft import fake_trajectories, write_jsonl
+    data = write_jsonl(tmp_path / "t.jsonl", fake_trajectories(4))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("inf")))
+    out = str(tmp_path / "o")
+    with pytest.raises(SystemExit) as e:
+        sft.main(["--model", tiny_dir, "--data", data, "--out", out, "--global-batch", "2", "--max-steps", "4",
+                  "--warmup", "0", "--no-progress", "--max-skipped-steps", "2"])
+    assert e.value.code == 1 and "2 steps in a row had a non-finite gradient norm" in capsys.readouterr().err
+    rows = ex.read_jsonl_tolerant(os.path.join(out, "log.jsonl"))
+    assert [(r["step"], r["grad_norm"], r["skipped_in_a_row"]) for r in rows] == [(1, None, 1), (2, None, 2)]
+
+
 # -----------------------------------------------------------------------------
 # The memory plan (one process)
 
