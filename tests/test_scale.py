@@ -103,6 +103,15 @@ def test_fsdp_rank_without_its_optimizer_file_is_refused_D9(two_ranks):
 
 
 @pytest.mark.timeout(500)
+def test_sync_policy_gathers_one_parameter_at_a_time_in_the_rollout_dtype_D6(two_ranks):
+    """FSDP on 2 ranks, a bf16 rollout copy: one gather a parameter, each already bf16 (the
+    old code gathered the whole fp32 state dict on every rank, then cast it); the copy holds
+    exactly the fp32 weights cast to bf16."""
+    for r in two_ranks.res:
+        assert r["d6_gathers"] == ["torch.bfloat16"] * r["d6_params"] and r["d6_equal"] is True
+
+
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("ckpt, extra", [("fsdp", ["--fsdp"]), ("zero", ["--shard-optimizer"]),
                                          ("zero", [])])
 def test_resume_on_another_world_size_is_refused_D8(two_ranks, tmp_path, ckpt, extra):
@@ -174,6 +183,25 @@ def _worker(out, tiny_dir, data):
         res["d9_load"] = "ok"
     except FileNotFoundError:
         res["d9_load"] = "FileNotFoundError"
+    # D6: sync_policy under FSDP gathers one parameter at a time, already in the rollout dtype
+    from torch.distributed.tensor import DTensor
+    tok = tiny.make_tokenizer()
+    lm = tiny.make_model(tok)
+    want = {n: p.detach().to(torch.bfloat16) for n, p in lm.named_parameters()}
+    model = sft.wrap_model(lm, torch.device("cpu"), fsdp=True)
+    policy = tiny.make_model(tok, seed=1).to(torch.bfloat16)
+    gathered, full_tensor = [], DTensor.full_tensor
+
+    def spy(self, *a, **k):
+        gathered.append(str(self.dtype))
+        return full_tensor(self, *a, **k)
+
+    DTensor.full_tensor = spy
+    grpo.sync_policy(model, policy)
+    DTensor.full_tensor = full_tensor
+    res["d6_gathers"] = gathered
+    res["d6_params"] = len(want)
+    res["d6_equal"] = all(torch.equal(p, want[n]) for n, p in policy.named_parameters())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
