@@ -41,7 +41,7 @@ from datetime import timedelta
 from statistics import fmean
 
 import executor as ex
-from sft import barrier, cleanup_distributed, print0, setup_distributed
+from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -157,6 +157,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=ex.nonneg_int, default=0, help="0 = off")
     p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed; a batch's also depends on its first problem")
     p.add_argument("--batch-size", type=ex.positive_int, default=8, help="problems per rollout call, per rank")
+    p.add_argument("--kv-cache-gb", type=ex.nonneg_float, default=0.0, help="GiB of KV cache a rank: fewer rows decode "
+                   "at once; 0 = 90%% of GPU memory less the weights (none on CPU)")
     # budgets
     p.add_argument("--max-context", type=ex.positive_int, default=32768, help="tokens, 3-shot prompt + completion")
     p.add_argument("--max-new-tokens", type=ex.nonneg_int, default=0, help="model tokens per sample; 0 = no limit")
@@ -217,6 +219,9 @@ def main(argv=None):
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
     if mine:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
+        rows, plan = memory_plan(model.config, model.dtype.itemsize, args.batch_size * k, args.max_context,
+                                 args.kv_cache_gb, model.num_parameters() * model.dtype.itemsize / 2 ** 30, device)
+        print0(plan)  # rows at once: a batch's, or fewer so that their KV cache fits (tests/faults.md D12)
         # prompts are measured before any forward: one with no room for a token under
         # --max-context is skipped and counted, never prefilled
         prompt_ids = {i: ex.stage_prompt_ids(tokenizer, p["problem"], args.stateful, exemplars) for i, p in mine}
@@ -236,7 +241,8 @@ def main(argv=None):
             batch = mine[b:b + args.batch_size]
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
             samples = ex.rollout(model, tokenizer, [prompt_ids[i] for i, _ in batch], sandbox, n=k,
-                                 seed=args.seed * 1_000_003 + batch[0][0], **{a: getattr(args, a) for a in ex.ROLLOUT_ARGS})
+                                 seed=args.seed * 1_000_003 + batch[0][0], max_num_seqs=rows,
+                                 **{a: getattr(args, a) for a in ex.ROLLOUT_ARGS})
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
                     for i, (_, p) in enumerate(batch) for j in range(k) if work_key(p, j) not in done]

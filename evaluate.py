@@ -408,6 +408,8 @@ def parse_args(argv=None):
     # throughput
     p.add_argument("--max-num-seqs", type=ex.positive_int, default=64, help="sequences decoding at once per rank "
                    "(a finished one's place goes to the next); lower it if out of memory. Changes no sample")
+    p.add_argument("--kv-cache-gb", type=ex.nonneg_float, default=0.0,
+                   help="GiB of KV cache a rank; caps --max-num-seqs; 0 = 90%% of GPU memory less weights (CPU: none)")
     p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
@@ -599,7 +601,7 @@ def run(args) -> None:
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
 
-    from sft import barrier, cleanup_distributed, print0, setup_distributed
+    from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed
 
     # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
     # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
@@ -612,6 +614,11 @@ def run(args) -> None:
                f"of {world} ranks (rank r: problems p % {world} == r); {len(done)} samples already in {args.out}")
         if todo:
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
+            # rows admitted so that the KV cache they can reach fits (tests/faults.md D12)
+            weights = model.num_parameters() * model.dtype.itemsize / 2 ** 30  # GiB
+            args.max_num_seqs, plan = memory_plan(model.config, model.dtype.itemsize, args.max_num_seqs,
+                                                  args.max_context, args.kv_cache_gb, weights, device)
+            print0(plan)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
             prompts = {(b, q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful) for b, q in problems}

@@ -39,9 +39,10 @@ step), pass_rates.jsonl (a line per prompt per step: step, id, n, correct, rewar
     torchrun --standalone --nproc_per_node=8 grpo.py --model runs/sft/final --data dapo17k.jsonl --out runs/rl
 
 --steps is a global counter that --resume continues: the paper's stages end at steps 280,
-400 and >= 500 (stage 2 and 3 with --resume and --drop-solved of the earlier stage's
-pass_rates.jsonl). --resume restores weights, optimizer, step, data position and RNG; the
-flags given now (budgets, --steps) apply. A prompt with no room for a token under
+400 and >= 500 (stages 2 and 3 with --resume and --drop-solved of stage 1's pass_rates.jsonl,
+copied aside at step 280; the run's own live file is refused: a resume would drop other
+prompts). --resume restores weights, optimizer, step, data position and RNG; the flags given
+now (budgets, --steps) apply. A prompt with no room for a token under
 --max-context is skipped and counted. --temperature (> 0) also divides the logits in the
 loss. --stateful: block k sees what blocks 1..k-1 of its trajectory defined
 (executor.Sandbox.run). --updates-per-step: optimizer steps (mini-batches) per rollout
@@ -50,6 +51,9 @@ batch; 1 is on-policy (ratio exactly 1). --max-num-seqs: sequences decoding at o
 group's G sequences share their prompt's prefill). --save-every: steps between writes of out/latest
 (a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
+--kv-cache-gb: the rows a rank decodes at once are also capped so that their KV cache fits it
+(`sft.memory_plan`, printed at start). A step whose gradient norm is not finite is skipped and
+logged; --max-skipped-steps in a row end the run. --dist-timeout: hours a collective waits.
 
 Departures from the paper (which does not describe these details):
   1. Groups whose advantages are all 0 (all-equal rewards) are dropped from the loss and
@@ -63,7 +67,7 @@ Departures from the paper (which does not describe these details):
      fp32 sampler on CPU gives weights of 1 to ~1e-7 (a tiny model's mean gap: 1.8e-7);
      --tis-cap 0 turns it off.
 """
-import argparse, copy, hashlib, inspect, math, numbers, os, random, runpy, sys, time
+import argparse, datetime, hashlib, inspect, math, numbers, os, random, runpy, sys, time
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +126,13 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, s
 
 def sync_policy(model, policy):
     """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
-    calls it: under FSDP it gathers the full weights (a collective, outside the sampler)."""
-    policy.load_state_dict(sft.full_state_dict(model, cpu_offload=False), strict=False)
+    calls it: under FSDP it gathers one parameter at a time, cast to the rollout dtype first
+    (a collective, outside the sampler): never the whole fp32 model on every GPU."""
+    target = dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, p in sft.unwrap_model(model).named_parameters():
+            p = p.detach().to(target[name].dtype)  # (FSDP: this rank's shard, cast)
+            target[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
 # -----------------------------------------------------------------------------
@@ -659,6 +668,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
     p.add_argument("--max-num-seqs", type=executor.nonneg_int, default=32, help="sequences at once a rank; 0 = all")
+    p.add_argument("--kv-cache-gb", type=executor.nonneg_float, default=0.0, help="GiB of KV cache a rank; caps "
+                   "--max-num-seqs; 0 = 90%% of GPU memory less the training state (none on CPU)")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
@@ -681,9 +692,16 @@ def main(argv=None, reward_fn=None):
     --reward when called from Python (tests)."""
     args = parse_args(argv)
     reward_fn = reward_fn or (load_reward(args.reward) if args.reward is not None else answer_reward)
-    rank, _, world, device = sft.setup_distributed(args.seed)
+    # a step's first collective waits for the slowest rank's rollouts (hours at 32K tokens and
+    # 40 blocks) or rank 0's save: far past NCCL's default 10 minutes (tests/faults.md D5)
+    rank, _, world, device = sft.setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
     # one interpreter policy per run (its rollouts and prompt never mix); the seed orders the data
     args.resume = sft.check_run_dirs("grpo.py", args, ("metrics.jsonl", "latest"), ("stateful", "seed"))
+    sft.check_torch(args, device)
+    live = os.path.join(args.out, "pass_rates.jsonl")  # grows every step (tests/faults.md L16)
+    if args.drop_solved and os.path.exists(live) and os.path.samefile(args.drop_solved, live):
+        raise executor.InputError(f"--drop-solved {args.drop_solved}: this run's live pass rates; drop from a copy "
+                                  "frozen at the end of stage 1 (README: Running at paper scale)")
     proc = Dist(rank, world, device, torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
     if args.prompts_per_step % world:
         raise executor.InputError(f"--prompts-per-step {args.prompts_per_step} is not a multiple of {world} ranks")
@@ -713,19 +731,28 @@ def main(argv=None, reward_fn=None):
         raise executor.InputError(f"--max-context {args.max_context}: no prompt of {args.data} leaves room for a token")
     if len(problems) < n0:
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
-    if rank == 0:  # every check passed: the run's first write
-        os.makedirs(args.out, exist_ok=True)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
-    stream = PromptStream(problems, args.seed, rank, world)
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in
     # the sampler's token loop) or in bf16; otherwise the sampler uses the trained module
     # itself, which saves one copy of the weights (the 2-rank CPU demo needs it).
     share = not args.fsdp and proc.autocast_dtype is None
-    policy = None if share else copy.deepcopy(lm).to(device, proc.autocast_dtype or torch.float32).requires_grad_(False)
+    # the KV cache the engine can reach fits the budget: rows admitted (tests/faults.md D12)
+    kv_bytes = 2 if proc.autocast_dtype else 4
+    state = sft.state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer,
+                          0 if share else kv_bytes)
+    args.max_num_seqs, plan = sft.memory_plan(lm.config, kv_bytes, args.max_num_seqs, args.max_context,
+                                              args.kv_cache_gb, state, device)
+    sft.print0(plan)
+    if rank == 0:  # every check passed: the run's first write
+        os.makedirs(args.out, exist_ok=True)
+        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
+    stream = PromptStream(problems, args.seed, rank, world)
+    # the rollout copy is loaded in its own dtype: no second fp32 model in host RAM a rank
+    policy = None if share else executor.load_model(args.resume or args.model, dtype=str(
+        proc.autocast_dtype or torch.float32).removeprefix("torch."), device=device)[0].requires_grad_(False)
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
-    step = 0
+    step, skipped = 0, 0
     if args.resume:
         state = sft.load_trainer_state(args.resume, optimizer,
                                        logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
@@ -747,6 +774,9 @@ def main(argv=None, reward_fn=None):
             batch = stream.next(args.prompts_per_step)
             metrics, records, samples = grpo_step(model, policy, tokenizer, optimizer, sandbox, batch, args, proc, step,
                                                   reward_fn=reward_fn, show_progress=show_bars)
+            # a non-finite gradient norm: the update was skipped (sft.optimizer_step, tests/faults.md D10)
+            skipped = 0 if math.isfinite(metrics["grad_norm"] or 0.0) else skipped + 1
+            metrics.update(skipped_in_a_row=skipped, grad_norm=None if skipped else metrics["grad_norm"])
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)
@@ -755,6 +785,7 @@ def main(argv=None, reward_fn=None):
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", zero_var=f"{metrics['zero_var_share']:.2f}",
                             tokens=metrics["model_tokens_per_sample"], refresh=False)
             bar.update(1)
+            sft.stop_after_skips(skipped, args.max_skipped_steps)
             if args.save_every and step % args.save_every == 0 or step == args.steps:
                 say(f"step {step}: writing checkpoint {latest} ...")
                 t0 = time.perf_counter()

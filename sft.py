@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, hashlib, math, os, pathlib, random, shutil, sys, time
+import contextlib, datetime, glob, hashlib, math, os, pathlib, random, shutil, sys, time
 
 import numpy as np
 import torch
@@ -83,6 +83,45 @@ def barrier():
     """Wait for every rank (nothing to wait for on one process)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """KV cache bytes of one token: 2 (K, V) x layers x KV heads x head_dim x dtype bytes.
+    Qwen3-4B in bf16: 2 x 36 x 8 x 128 x 2 = 147,456 (tests/faults.md D12)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
+
+
+def state_gib(n_params: int, world: int = 1, fsdp: bool = False, shard: bool = False,
+              rollout_bytes: int = 0) -> float:
+    """GiB a rank holds for `n_params` parameters: training (fp32 weights and gradients, 8
+    bytes a parameter, sharded by FSDP; AdamW's two moments, 8, sharded by FSDP or ZeRO), and
+    a rollout copy of `rollout_bytes` a parameter (whole on every rank; 0 = none)."""
+    return n_params * (8 / (world if fsdp else 1) + 8 / (world if fsdp or shard else 1) + rollout_bytes) / 2 ** 30
+
+
+def memory_plan(config, dtype_bytes: int, max_num_seqs: int, max_context: int, kv_cache_gb: float, state: float,
+                device) -> tuple:
+    """The rows a rank decodes at once (the engine's --max-num-seqs) so that the KV cache they
+    can reach, rows x max_context tokens x `kv_bytes_per_token`, fits the budget:
+    `kv_cache_gb` GiB, or with 0 on CUDA 90% of the GPU's memory less `state` GiB (the
+    model and optimizer state a rank holds; vLLM's gpu_memory_utilization), on CPU no limit.
+    Returns (rows, 0 = all; the plan in one line). Raises InputError when no row fits."""
+    bpt = kv_bytes_per_token(config, dtype_bytes)
+    row = bpt * max_context / 2 ** 30  # GiB a row can reach
+    total = torch.cuda.mem_get_info(device)[1] / 2 ** 30 if device.type == "cuda" else 0.0  # GiB
+    budget = kv_cache_gb or max(0.9 * total - state, 1e-9 * total)  # (a full GPU: a budget no row fits)
+    rows = max_num_seqs
+    if budget:
+        if budget < row:
+            raise executor.InputError(f"--kv-cache-gb: one row of {max_context} tokens needs {row:.2f} GiB of KV "
+                                      f"cache, over the budget of {budget:.2f} GiB: lower --max-context")
+        rows = min(max_num_seqs or 1 << 30, int(budget // row))
+    cache = f"{rows * row:.1f} GiB" if rows else "no cap"
+    return rows, (f"memory plan a rank: KV cache {bpt:,} bytes a token x {rows or 'all'} rows x {max_context:,} tokens"
+                  f" = {cache} at most (budget {f'{budget:.1f} GiB' if budget else 'none'}); "
+                  f"model + optimizer state {state:.1f} GiB")
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -409,13 +448,26 @@ def backward_step(model, micro_batches: list, *, mask_outputs: bool = False, chu
 
 def optimizer_step(model, optimizer, grad_clip: float) -> float:
     """Clip the global gradient norm to `grad_clip` (0 = no clipping), step, and clear the
-    gradients. Returns the norm before clipping. Under DDP the gradients are views into its
-    all-reduce buckets (`gradient_as_bucket_view`) and are zeroed in place: set to None,
-    the next micro-steps under no_sync would allocate a second full copy of them."""
+    gradients. Returns the norm before clipping; when it is not finite (an inf or NaN
+    gradient, or loss) the step is skipped: weights and AdamW state stay as they were.
+    Under DDP the gradients are views into its all-reduce buckets (`gradient_as_bucket_view`)
+    and are zeroed in place: set to None, the next micro-steps under no_sync would allocate
+    a second full copy of them."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    optimizer.step()
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+    if math.isfinite(norm):  # the same norm on every rank: all skip together (tests/faults.md D10)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=not _is_ddp(model))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+    return norm
+
+
+def stop_after_skips(streak: int, limit: int):
+    """End the run (exit status 1, one line) once `streak` steps in a row were skipped for a
+    non-finite gradient norm and `limit` (> 0) is reached: a run that only skips learns nothing."""
+    if limit and streak >= limit:
+        print0(f"error: {streak} steps in a row had a non-finite gradient norm and were skipped "
+               f"(--max-skipped-steps {limit}); the last checkpoint is kept", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
@@ -468,6 +520,11 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP: this rank's shard
+    bad = all_reduce(torch.tensor(float(sum(not bool(p.isfinite().all()) for p in params)), device=params[0].device))
+    if bad > 0:  # never over the last good checkpoint (tests/faults.md D11)
+        raise RuntimeError(f"{out_dir} not written: {int(bad)} weight tensors are not finite; "
+                           "the last checkpoint stays")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -492,7 +549,9 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
             executor.drop_gguf_marker(lm)  # (a model given here, not loaded by executor.load_model)
             lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            executor.write_json_atomic(os.path.join(tmp, "args.json"), {**args, "checkpoint": True})
+            executor.write_json_atomic(os.path.join(tmp, "args.json"),
+                                       {**args, "checkpoint": True, "world_size": dist.get_world_size()
+                                        if dist.is_initialized() else 1})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -542,12 +601,49 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
             raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
                                       f"its weights with --model {resume}")
         executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
+        check_optimizer_layout(resume, saved, args)
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
         ckpt = newest_checkpoint(out)
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
+
+
+def check_torch(args, device, version: str = torch.__version__):
+    """Refuse flags this torch cannot run (tests/faults.md D14): --fsdp needs
+    torch.distributed.fsdp.fully_shard (torch >= 2.6); bf16 FSDP with --grad-checkpointing (on
+    CUDA without --fp32) hits a recompute error in backward before torch 2.13. Raises InputError."""
+    have = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    if args.fsdp and have < (2, 6):
+        raise executor.InputError(f"--fsdp needs torch >= 2.6 (fully_shard), this is {version}: upgrade, or use DDP")
+    if args.fsdp and args.grad_checkpointing and device.type == "cuda" and not args.fp32 and have < (2, 13):
+        raise executor.InputError(f"--fsdp --grad-checkpointing in bf16 needs torch >= 2.13 (a recompute error in "
+                                  f"backward before it), this is {version}: upgrade, or drop --grad-checkpointing")
+
+
+def optimizer_layout(fsdp: bool, shard: bool, world: int) -> str:
+    """How a run splits AdamW's state over its ranks: 'full' (one rank, or DDP: any number
+    of ranks loads it), else 'FSDP over N ranks' or 'ZeRO over N ranks' (N files, one a rank)."""
+    return "full" if world == 1 or not (fsdp or shard) else f"{'FSDP' if fsdp else 'ZeRO'} over {world} ranks"
+
+
+def check_optimizer_layout(resume: str, saved: dict, args):
+    """Refuse, before anything loads, a resume whose optimizer state cannot fit this run
+    (tests/faults.md D7-D9): `saved` (its args.json) sharded by FSDP or ZeRO over other
+    ranks, --fsdp toggled, or a rank's own shard missing. Raises InputError (one line)."""
+    if not saved.get("save_optimizer", True):
+        return  # weights only: any layout starts AdamW afresh
+    files = glob.glob(os.path.join(glob.escape(resume), "trainer_state_rank*.pt"))
+    n = saved.get("world_size", len(files))
+    was = optimizer_layout(saved.get("fsdp", False), saved.get("shard_optimizer", False), n)
+    now = optimizer_layout(args.fsdp, args.shard_optimizer, dist.get_world_size() if dist.is_initialized() else 1)
+    if was != now and (was != "full" or now.startswith("FSDP")):  # (a full state loads into DDP, ZeRO or 1 rank)
+        raise executor.InputError(f"--resume {resume}: its optimizer state is {was}, this run's {now}: resume with "
+                                  f"the same ranks and --fsdp / --shard-optimizer, or from its weights with --model")
+    if was != "full" and len(files) < n:
+        raise executor.InputError(f"--resume {resume}: {n - len(files)} of its {n} ranks' trainer_state_rank*.pt are "
+                                  f"missing ({was}: each rank's shard is its own)")
 
 
 def interrupted_note(out: str) -> str:
@@ -568,7 +664,9 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, logs=()) -> dict:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
     rank0, path = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
-    path = path if os.path.exists(path) else rank0  # torch.load: FileNotFoundError naming it if absent
+    sharded = optimizer is not None and _is_sharded(p for g in optimizer.param_groups for p in g["params"])
+    if not os.path.exists(path) and not sharded:  # FSDP's shards are each rank's own (tests/faults.md D9)
+        path = rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
         # a DDP rank > 0: the optimizer is rank 0's
@@ -673,10 +771,14 @@ def add_training_args(p):
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per forward, per rank")
     p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
+    p.add_argument("--max-skipped-steps", type=nonneg_int, default=5,
+                   help="stop after this many steps in a row skipped for a non-finite gradient; 0 = never")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
     # system
     p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
+    p.add_argument("--dist-timeout", type=positive_float, default=24.0,
+                   help="hours a collective waits for the slowest rank (a step's rollouts, a save); torch's: 10 min")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
@@ -697,8 +799,9 @@ def main(argv=None):
     args = parse_args(argv)
     # the trajectories' identity: another file of the same size is another run
     args.data_sha256 = hashlib.sha256(pathlib.Path(args.data).read_bytes()).hexdigest()[:16]
-    rank, _, world, device = setup_distributed(args.seed)
+    rank, _, world, device = setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
     args.resume = check_run_dirs("sft.py", args, ("log.jsonl", "final"), RESUME_SAME)
+    check_torch(args, device)
     # derived sizes: global batch = micro-batch x accumulation steps x ranks
     accum, rest = divmod(args.global_batch, args.micro_batch * world)
     if rest:
@@ -730,11 +833,13 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
+    print0(f"memory plan a rank: model + optimizer state "
+           f"{state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer):.1f} GiB")
 
     # 2) optimizer, schedule, resume
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
-    step = 0
+    step, skipped = 0, 0
     if args.resume:
         st = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])
         sched.load_state_dict(st["scheduler"])
@@ -759,15 +864,18 @@ def main(argv=None):
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
         lr = opt.param_groups[0]["lr"]
         grad_norm = optimizer_step(model, opt, args.grad_clip)
+        skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # steps in a row skipped (tests/faults.md D10)
         sched.step()
         step, dt = step + 1, time.perf_counter() - t0
-        rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "lr": lr, "grad_norm": grad_norm,
+        rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "lr": lr,
+               "grad_norm": grad_norm if not skipped else None, "skipped_in_a_row": skipped,
                "loss": m["nll_sum"] / max(1.0, m["n_loss_tokens"]), "loss_tokens": int(m["n_loss_tokens"]),
                "tokens": int(m["n_tokens"]), "tokens_per_s": m["n_tokens"] / dt, "step_s": dt}
         if rank == 0:
             executor.append_jsonl(os.path.join(args.out, "log.jsonl"), [rec])
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
         bar.update(1)
+        stop_after_skips(skipped, args.max_skipped_steps)
         if args.save_every and step % args.save_every == 0 and step < total:
             save(f"step_{step:06d}")
     bar.close()

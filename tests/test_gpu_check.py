@@ -44,7 +44,7 @@ def test_dry_run_runs_every_row_without_error(dry_run):
     assert [r.get("error") for r in report["rows"] if "error" in r] == [] and n_errors == 0
     labels = [r["row"] for r in report["rows"]]
     assert labels == [label for label, *_ in gpu_check.plan(gpu_check.DRY)]
-    assert len(labels) == 2 * 3 + 1 + 1 + 4 + 1 + 4
+    assert len(labels) == 2 * 3 + 1 + 1 + 4 + 1 + 2 + 4 + 1
     for label in labels:
         assert any(line.startswith(label) for line in stdout.splitlines()), label
     assert report["dry_run"] is True and report["device"] == "cpu"
@@ -122,3 +122,27 @@ def test_a_failing_row_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     assert n_errors == 4
     assert all(r["error"] == "OutOfMemoryError: CUDA out of memory (simulated)" for r in rows[:4])
     assert "error" not in rows[4] and rows[4]["kv_bytes_per_token"] == 2 * 3 * 2 * 24 * 4
+
+
+def test_layout_rows_model_fsdp8_and_ddp8_per_rank_D13(dry_run):
+    """tiny-b, fp32 on CPU (4 bytes a parameter): FSDP-8 holds 16 / 8 + 4 = 6 bytes a parameter
+    a rank, DDP-8 16 + 4 = 20; rows = floor((0.9 x capacity - state) / (1,152 bytes x context)), at
+    most 32; the plan's KV bytes a token equal a real cache's."""
+    _, report, _ = dry_run
+    rows = {r["row"].split()[-1]: r for r in report["rows"] if r["row"].startswith("layout")}
+    assert sorted(rows) == ["DDP-8", "FSDP-8"]
+    for name, per_param in (("FSDP-8", 6), ("DDP-8", 20)):
+        r = rows[name]
+        assert r["params"] == TINY_B_PARAMS and r["kv_bytes_per_token"] == 2 * 3 * 2 * 24 * 4
+        assert r["kv_formula_matches"] is True
+        assert r["state_gib"] * gpu_check.GiB == pytest.approx(TINY_B_PARAMS * per_param, rel=1e-12)
+        for c in (256, 512):
+            budget = 0.9 * r["capacity_gib"] - r["state_gib"]
+            assert r[f"rows_at_{c}"] == min(32, int(budget // (1152 * c / gpu_check.GiB)))
+
+
+def test_two_ranks_row_runs_grpo_under_torchrun(dry_run):
+    _, report, _ = dry_run
+    (r,) = [r for r in report["rows"] if r["row"].startswith("ranks2")]
+    assert (r["ranks"], r["steps"], r["optimizer_steps"]) == (2, 2, 2)
+    assert r["plan"].startswith("memory plan a rank: KV cache 512 bytes a token")

@@ -379,7 +379,7 @@ def test_saved_dir_loads_with_same_logits(tmp_path, model, tokenizer):
     assert not os.path.exists(out + ".tmp") and not os.path.exists(out + ".old")
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert "quantization_config" not in cfg
-    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0, "checkpoint": True}
+    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0, "checkpoint": True, "world_size": 1}
     assert sft.load_trainer_state(out)["step"] == 3
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.randint(3, 300, (2, 17))

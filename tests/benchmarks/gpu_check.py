@@ -22,8 +22,12 @@ that fails, e.g. out of memory, is recorded as an error and the others still run
            The bf16 rollout copy stays resident, as in grpo.py.
   fit      the largest --max-num-seqs whose 16K-token KV caches fit beside the 4B
            training state (fp32 weights + AdamW + bf16 rollout copy) in 90% of the device.
+  layout   the README's layouts per rank, FSDP-8 and DDP-8 (`sft.memory_plan` on this
+           device's memory): training state + rollout copy, rows admitted at 16K and 32K.
   sft      one `sft.backward_step` + AdamW step (1 sequence) at 16K and 32K, with and
            without checkpointing.
+  ranks2   grpo.py under torchrun on 2 ranks, --fsdp, 2 steps of the tiny model (NCCL when
+           two GPUs are there, else recorded as skipped; gloo on CPU in the dry run).
 
 A random model does not write code, so both sides of decode and rollout are *forced*: the
 model runs its real forward (KV cache, lm_head), then its logits are replaced by a one-hot
@@ -43,7 +47,9 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network
@@ -292,7 +298,8 @@ def decode_row(ctx, name, batch):
     engine = Forced(lm, ctx.x)
     ours = lambda: ex.rollout(engine, ctx.tok, rows, ctx.sandbox, temperature=0, max_new_tokens=T,  # noqa: E731
                               max_context=P + T + 8)
-    ours()  # warm-up (kernels, allocator)
+    ours()  # warm-up (kernels, allocator), both sides
+    generate(ctx, lm, rows, [ctx.x] * T)
     t_ours, _, out = measured(ctx, ours)
     if any(len(s.ids) != P + T for s in out):
         raise RuntimeError(f"engine decoded {[len(s.ids) - P for s in out]} tokens, not {T}")
@@ -396,6 +403,57 @@ def fit_row(ctx, prompts_per_rank=16):
                 share_of_step=min(1.0, seqs / (prompts_per_rank * ctx.S["group"])))
 
 
+def layout_row(ctx, layout):
+    """The README's layout per rank, by `sft.memory_plan`'s arithmetic on this device's memory:
+    "FSDP-8" (fp32 weights, gradients and AdamW over 8 ranks) or "DDP-8" (all of them on every
+    rank), plus the whole rollout copy; rows admitted at --max-num-seqs 32 under the default
+    budget (90% of the device less that state) at the stage 1 and stage 3 contexts. Also checks
+    the plan's KV bytes a token against the bytes a real cache holds."""
+    policy = ctx.get(("policy", ctx.S["big"]))
+    n = sum(p.numel() for p in policy.parameters())
+    width = policy.dtype.itemsize
+    if ctx.cuda:
+        cap = torch.cuda.mem_get_info(ctx.dev)[1]
+    else:
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    state = sft.state_gib(n, 8, fsdp=layout == "FSDP-8", rollout_bytes=width)
+    row = dict(params=n, capacity_gib=cap / GiB, state_gib=state, kv_bytes_per_token=sft.kv_bytes_per_token(
+        policy.config, width), kv_formula_matches=sft.kv_bytes_per_token(policy.config, width) ==
+        kv_bytes_per_token(ctx, policy))
+    for c in (ctx.S["context"], 2 * ctx.S["context"]):
+        try:
+            row[f"rows_at_{c}"] = sft.memory_plan(policy.config, width, 32, c, 0.9 * cap / GiB - state, state,
+                                                  torch.device("cpu"))[0]
+        except ex.InputError:  # not one row fits beside the state
+            row[f"rows_at_{c}"] = 0
+    return row
+
+
+def two_ranks_row(ctx):
+    """grpo.py itself under torchrun on 2 ranks with --fsdp (NCCL on 2 GPUs; gloo on CPU in the
+    dry run), 2 steps of the tiny model with a reward that gives every group signal: the
+    process group and its timeout, sync_policy's gathers, the sharded update and checkpoint."""
+    if ctx.cuda and torch.cuda.device_count() < 2:
+        return dict(skipped=f"{torch.cuda.device_count()} GPU: needs 2")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "reward.py"), "w") as f:
+            f.write("def alternate(samples, problems):\n    return [float(i % 2) for i in range(len(samples))]\n")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "grpo.py"), "--model", tiny.save_tiny(os.path.join(tmp, "m")), "--data",
+               STAGE_ARGS[1], "--out", os.path.join(tmp, "rl"), "--steps", "2", "--prompts-per-step", "2",
+               "--group-size", "2", "--max-new-tokens", "16", "--exec-workers", "1", "--fsdp", "--no-progress",
+               "--reward", os.path.join(tmp, "reward.py") + ":alternate"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        if r.returncode:
+            raise RuntimeError(f"exit {r.returncode}: {r.stderr[-300:]}")
+        rows = ex.read_jsonl_tolerant(os.path.join(tmp, "rl", "metrics.jsonl"))
+        return dict(ranks=2, steps=len(rows), optimizer_steps=sum(m["optimizer_steps"] for m in rows),
+                    time_s=time.perf_counter() - t0,
+                    plan=next((x for x in r.stdout.splitlines() if x.startswith("memory plan")), None))
+
+
 def plan(S):
     """(label, objects the row needs, function, args), in run order."""
     big = ("policy", S["big"])
@@ -404,7 +462,9 @@ def plan(S):
     rows.append((f"batching {S['big']} b{S['rollout_batch']}", {big}, batching_row, ()))
     rows += [(f"grpo {L} ckpt={int(c)}", {big, "trainer"}, grpo_row, (L, c)) for c in (False, True) for L in S["grpo"]]
     rows.append((f"fit {S['big']} @{S['context']}", {big, "trainer"}, fit_row, ()))
+    rows += [(f"layout {S['big']} {lay}", {big, "trainer"}, layout_row, (lay,)) for lay in ("FSDP-8", "DDP-8")]
     rows += [(f"sft {L} ckpt={int(c)}", {"trainer"}, sft_row, (L, c)) for c in (False, True) for L in S["sft"]]
+    rows.append(("ranks2 grpo --fsdp", set(), two_ranks_row, ()))
     return rows
 
 
@@ -421,7 +481,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (seconds on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", default="", help="comma-separated label prefixes to run "
-                   "(decode,rollout,batching,grpo,fit,sft)")
+                   "(decode,rollout,batching,grpo,fit,layout,sft,ranks2)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "gpu_check.json"),
                    help="JSON report path")
     a = p.parse_args(argv)
