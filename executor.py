@@ -989,9 +989,12 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
         top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
     Returns:
-        tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
-        token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
-        recomputes.
+        tokens (B,) long and logprobs (B,) float32: the token's logprob under the distribution
+        it was drawn from, the kept tokens renormalised (log 0.4/0.7 for p = 0.4 in a nucleus
+        of mass 0.7; tests/faults.md G18); log-softmax of the raw logits at T = 0. As vLLM's
+        `processed_logprobs`: the behaviour policy's logprob. A trainer whose logprob is over
+        the whole vocabulary (sft.token_logprobs) matches it only at top-p 1, top-k 0, so
+        grpo.py refuses other values (the paper samples at top-p 1.0).
     Raises:
         ValueError: non-finite logits, naming the first bad row.
 
@@ -1002,12 +1005,13 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     logits = logits.float()
     check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
     scaled = logits / temperature if temperature > 0 else logits  # (B, V)
-    logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
+    logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
         # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
-        cdf = torch.cumsum(torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1).double(), dim=-1)
+        cdf = torch.cumsum(torch.softmax(kept, dim=-1).double(), dim=-1)
         total = cdf[:, -1:]  # (B, 1)
         gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
         u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
@@ -1121,8 +1125,8 @@ class Sample:
 
     ids: (P + C,) prompt ids then every completion id exactly as fed to the model.
     roles: (P + C,) ROLE_PROMPT / ROLE_MODEL / ROLE_OUTPUT per token (output = environment).
-    logprobs: (P + C,) the sampler's logprob of each model token (log-softmax of logits / T,
-        raw logits at T = 0); NaN at prompt and output positions.
+    logprobs: (P + C,) the sampler's logprob of each model token (`sample_next_token`: under
+        the distribution it was drawn from); NaN at prompt and output positions.
     text: the completion decoded (plan, blocks, outputs, answer), without a final EOS.
     blocks: one {"code", "output", "status"} per executed block.
     finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.

@@ -202,6 +202,8 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
     (["--group-size", "1"], "argument --group-size: expected an integer in [2, inf), got '1'"),
     (["--temperature", "0"], "argument --temperature: expected a number in (0, inf), got '0'"),
+    (["--top-p", "0.9"], "--top-p 0.9: GRPO samples at top-p 1.0 (the paper's value): its loss takes each token's "
+     "logprob over the whole vocabulary"),  # tests/faults.md G18
     (["--lr", "inf"], "argument --lr: expected a number in (0, inf), got 'inf'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),

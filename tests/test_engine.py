@@ -423,6 +423,22 @@ def test_sampler_draws_from_the_kept_distribution_and_never_a_zero_token():
     assert ex.sample_next_token(mixed[[5, 2]], [gens()[5], gens()[2]])[0].tolist() == [alone[5], alone[2]]
 
 
+
+def test_the_sampler_records_the_logprob_of_the_nucleus_it_drew_from_G18():
+    """Probabilities [0.4, 0.3, 0.2, 0.1], top-p 0.7: the nucleus is {0, 1} (mass 0.7), and
+    a drawn token's logprob is that of the renormalised nucleus, the behaviour policy's:
+    log(0.4 / 0.7) and log(0.3 / 0.7), not the whole vocabulary's log 0.4 and log 0.3. At
+    temperature 0.5 the probabilities become p^2 / 0.30 = [0.16, 0.09, 0.04, 0.01] / 0.30
+    and the nucleus is again {0, 1} (mass 0.25 / 0.30): log(0.16 / 0.25) and log(0.09 / 0.25).
+    With top-k 1 the one kept token has logprob 0; at top-p 1 the logprob is log p."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().expand(400, 4)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(400)]  # noqa: E731
+    for kw, want in [(dict(top_p=0.7), [0.4 / 0.7, 0.3 / 0.7]), (dict(top_p=0.7, temperature=0.5), [0.64, 0.36]),
+                     (dict(top_k=1), [1.0]), (dict(), [0.4, 0.3, 0.2, 0.1])]:
+        tokens, lp = ex.sample_next_token(logits, gens(), **kw)
+        assert set(tokens.tolist()) == set(range(len(want))), kw
+        assert torch.allclose(lp, torch.tensor(want).log()[tokens], atol=1e-6), kw
+
 @pytest.mark.timeout(60)
 def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
     """Row A's block sleeps; row B runs its quick block and writes its whole answer
