@@ -830,6 +830,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         packaged model marked `tied_head` has its head tied again (`tie_output_head`).
     Raises:
         FileNotFoundError: no such path. ImportError (from transformers): a .gguf without gguf.
+        InputError: a layer that is not full attention (`check_full_attention`).
     """
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -853,12 +854,38 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
+    check_full_attention(model.config, path)
     drop_gguf_marker(model)
     if tie:
         tie_output_head(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def check_full_attention(config, path: str) -> None:
+    """Refuse a model with a layer that is not plain full attention, as transformers builds
+    its KV cache from the config: sliding-window layers (Mistral's `sliding_window`, Qwen2's
+    `use_sliding_window`, Gemma's and GPT-OSS's `layer_types`), chunked or linear attention.
+    The sampler continues ragged rows from one cache with pads in the *middle* of a row and
+    moves positions (`_compact`, a row's KV copied to another place), all as if every layer
+    held every position; a sliding layer keeps only its window's last positions, measured
+    in cache positions, pads included (a tiny Qwen2 with window 8 under continuous batching:
+    "index 7 is out of bounds for dimension 2 with size 7"; tests/faults.md G19). A
+    `sliding_window` that no layer uses (Qwen2.5's, `use_sliding_window` false) is fine.
+    Support would need per-row windows in the cache and the masks; every stage refuses such a
+    model at load instead (SFT too: no later stage could sample what it trains).
+
+    Raises InputError naming the model's `path`, the first such layer, its kind and window."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    layers = DynamicCache(config=config).layers
+    if bad := [i for i, layer in enumerate(layers) if type(layer) is not DynamicLayer]:
+        layer = layers[bad[0]]
+        raise InputError(f"{path}: {len(bad)} of {len(layers)} layers are not full attention (layer {bad[0]}: "
+                         f"{type(layer).__name__}, window {getattr(layer, 'sliding_window', None)}): the sampler "
+                         "keeps pads in the middle of its KV cache, which such a layer would count; use a model "
+                         "with full attention in every layer")
 
 
 def drop_gguf_marker(model):

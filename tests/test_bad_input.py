@@ -16,6 +16,7 @@ import evaluate as ev
 import executor as ex
 import grpo
 import sft
+import tiny
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -527,6 +528,40 @@ def test_checks_that_need_the_tokenizer_run_before_any_write(tiny_dir, files, tm
 
 # -----------------------------------------------------------------------------
 # 9) distill: what its --out may be, and prompts that cannot fit
+
+
+def _tiny_family(path, family, **config):
+    """A tiny random model of another family (transformers' `<family>Config`, 2 layers) with
+    the tiny tokenizer, saved as a Hugging Face folder."""
+    import transformers
+    tok = tiny.make_tokenizer()
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **config)
+    getattr(transformers, f"{family}ForCausalLM")(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family, config, layers", [
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "1 of 2 layers are not full "
+     "attention (layer 1: DynamicSlidingWindowLayer, window 8)"),
+    ("Mistral", dict(sliding_window=16), "2 of 2 layers are not full attention (layer 0: DynamicSlidingWindowLayer, "
+     "window 16)"),
+    ("Qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0, head_dim=16), "2 of 2 layers are "
+     "not full attention (layer 0: DynamicSlidingWindowLayer, window 4)"),
+])
+def test_a_model_with_sliding_window_layers_is_refused_at_load_G19(family, config, layers, files, tmp_path, capsys):
+    """Every stage loads through `load_model`, which refuses a model whose KV cache would
+    hold a sliding-window layer (one line, exit 2, nothing written; evaluate here), while a
+    Qwen2 config with `sliding_window` set and `use_sliding_window` false (Qwen2.5's) loads."""
+    bad = _tiny_family(tmp_path / "sliding", family, **config)
+    out = str(tmp_path / "eval")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    line = _refused(ev, ["--model", bad, "--data", files["problems"], "--out", out, "--k", "1"], tmp_path, capsys, out)
+    assert f"evaluate.py: error: {bad}: {layers}: the sampler keeps pads in the middle of its KV cache" in line
+    ok = _tiny_family(tmp_path / "full", "Qwen2", sliding_window=8, use_sliding_window=False)
+    assert ex.load_model(ok)[0].config.sliding_window is None
 
 
 def test_distill_refuses_an_out_it_did_not_write_and_prompts_that_cannot_fit(tiny_dir, files, tmp_path, capsys):
