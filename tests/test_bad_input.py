@@ -10,6 +10,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 import distill
 import evaluate as ev
@@ -327,6 +328,24 @@ def test_evaluate_resume_refuses_another_k_or_limit(tiny_dir, tmp_path):
         with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
             ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
 
+
+
+def test_an_evaluation_resumed_in_bf16_keeps_its_max_num_seqs_G20(tiny_dir, tmp_path):
+    """In bf16 or fp16 which rows share a forward changes the samples: a resume that changes
+    --max-num-seqs is refused naming the flag; in fp32 (given, or the CPU default) it is
+    resumed, its samples unchanged (tests/test_evaluate_cli.py pins that, byte for byte)."""
+    data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
+    done = {("b", "q0", 0): {**PROBLEMS[0], "benchmark": "b", "sample_idx": 0}}
+    for dtype in ("bfloat16", "float16", "float32", None):
+        args = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
+                              "--max-num-seqs", "2"] + ["--dtype", dtype] * (dtype is not None))
+        (tmp_path / "args.json").write_text(json.dumps({"stage": "evaluate", **vars(args)}))
+        args.max_num_seqs = 5
+        if dtype == "float32" or dtype is None and not torch.cuda.is_available():  # (None: fp32 on a CPU)
+            ev.check_resume(args, str(tmp_path), done, ev.read_benchmarks(args.data, args.limit))
+            continue
+        with pytest.raises(ex.InputError, match="made with --max-num-seqs 2, this run has 5"):
+            ev.check_resume(args, str(tmp_path), done, ev.read_benchmarks(args.data, args.limit))
 
 DISTILL_FLAGS = ["--samples-per-problem", "1", "--max-new-tokens", "4", "--max-context", "8000",
                  "--max-tool-calls", "1", "--exec-workers", "1", "--batch-size", "2"]
