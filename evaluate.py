@@ -422,16 +422,17 @@ def sample_seed(seed: int, benchmark: str, problem_id: str, j: int) -> int:
 
 def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     """A run folder with samples is resumed only by the same run: the same SAMPLING_ARGS as
-    its args.json (and --max-num-seqs, unless in fp32), and every saved sample one of this run's work items (benchmark, id,
-    sample_idx < k) made for the same problem and answer (the data files may have
-    changed), and not drawn in waves (rows with rollout_ids, from an evaluate.py that cut the
-    problems into waves of --batch-size: other seeds). Raises InputError saying what differs."""
+    its args.json (and --max-num-seqs, unless in fp32), and every saved sample one of this
+    run's work items (benchmark, id, sample_idx < k) made for the same problem and answer
+    (the data files may have changed), and not drawn in waves (rows with rollout_ids, from an
+    evaluate.py that cut the problems into waves of --batch-size: other seeds). Raises
+    InputError saying what differs."""
     if done:
         # in bf16 / fp16 which rows share a forward changes the samples (tests/faults.md G20)
         import torch
         fp32 = (args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")) == "float32"
-        ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS if fp32 else SAMPLING_ARGS + ("max_num_seqs",),
-                           f"the samples in {out_dir}")
+        same = SAMPLING_ARGS if fp32 else SAMPLING_ARGS + ("max_num_seqs",)
+        ex.check_same_args(os.path.join(out_dir, "args.json"), args, same, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
     for key, row in done.items():
         q = problems.get(key[:2])

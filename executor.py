@@ -869,9 +869,10 @@ def check_full_attention(config, path: str) -> None:
     `use_sliding_window`, Gemma's and GPT-OSS's `layer_types`), chunked or linear attention.
     The sampler continues ragged rows from one cache with pads in the *middle* of a row and
     moves positions (`_compact`, a row's KV copied to another place), all as if every layer
-    held every position; a sliding layer keeps only its window's last positions, measured
-    in cache positions, pads included (a tiny Qwen2 with window 8 under continuous batching:
-    "index 7 is out of bounds for dimension 2 with size 7"; tests/faults.md G19). A
+    held every position; a sliding layer keeps only its window's last positions, counted in
+    cache positions, pads included (a tiny Qwen2, window 24: greedy logprobs 0.077 off a
+    forward without cache; window 8 under continuous batching: "index 7 is out of bounds for
+    dimension 2 with size 7"; tests/faults.md G19). A
     `sliding_window` that no layer uses (Qwen2.5's, `use_sliding_window` false) is fine.
     Support would need per-row windows in the cache and the masks; every stage refuses such a
     model at load instead (SFT too: no later stage could sample what it trains).
@@ -884,8 +885,8 @@ def check_full_attention(config, path: str) -> None:
         layer = layers[bad[0]]
         raise InputError(f"{path}: {len(bad)} of {len(layers)} layers are not full attention (layer {bad[0]}: "
                          f"{type(layer).__name__}, window {getattr(layer, 'sliding_window', None)}): the sampler "
-                         "keeps pads in the middle of its KV cache, which such a layer would count; use a model "
-                         "with full attention in every layer")
+                         "keeps pads in the middle of its KV cache and moves positions, which such a layer does "
+                         "not allow; use a model with full attention in every layer")
 
 
 def drop_gguf_marker(model):
