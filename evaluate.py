@@ -40,7 +40,9 @@ Departures from the paper (it does not define these details):
      --max-num-seqs sequences at once (continuous batching). Sample j of a problem draws from
      its own generator, seeded (its row's seed) from --seed, the benchmark, the problem id and
      j only (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same
-     samples (up to the floating-point effects of which rows share a forward).
+     samples in fp32 (up to the floating-point effects of which rows share a forward). In
+     bf16 (CUDA's default) or fp16 those effects change samples, so a resume there keeps the
+     run's --max-num-seqs (tests/faults.md G20).
 """
 import datetime
 import glob
@@ -383,7 +385,7 @@ def merged_samples(out_dir: str) -> dict:
 
 
 # the run's identity: everything that decides which samples exist and what they are (not
-# --max-num-seqs: a sample's seed is its own). A run folder is resumed only with the same.
+# --max-num-seqs in fp32: a sample's seed is its own). A run folder is resumed only with the same.
 SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout", *ex.ROLLOUT_ARGS)
 
 
@@ -407,7 +409,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=ex.seed_int, default=0, help="base seed of the samples' seeds (sample_seed)")
     # throughput
     p.add_argument("--max-num-seqs", type=ex.positive_int, default=64, help="sequences decoding at once per rank "
-                   "(a finished one's place goes to the next); lower it if out of memory. Changes no sample")
+                   "(a finished one's place goes to the next); lower it if out of memory. Changes no sample in "
+                   "float32; in bf16 / fp16 it does, so a resume keeps it")
     p.add_argument("--kv-cache-gb", type=ex.nonneg_float, default=0.0,
                    help="GiB of KV cache a rank; caps --max-num-seqs; 0 = 90%% of GPU memory less weights (CPU: none)")
     p.add_argument("--exec-workers", type=ex.nonneg_int, default=0, help="blocks run at once per rank; 0 = CPUs/ranks")
@@ -451,12 +454,17 @@ def sample_seed(seed: int, benchmark: str, problem_id: str, j: int) -> int:
 
 def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
     """A run folder with samples is resumed only by the same run: the same SAMPLING_ARGS as
-    its args.json, and every saved sample one of this run's work items (benchmark, id,
-    sample_idx < k) made for the same problem and answer (the data files may have
-    changed), and not drawn in waves (rows with rollout_ids, from an evaluate.py that cut the
-    problems into waves of --batch-size: other seeds). Raises InputError saying what differs."""
+    its args.json (and --max-num-seqs, unless in fp32), and every saved sample one of this
+    run's work items (benchmark, id, sample_idx < k) made for the same problem and answer
+    (the data files may have changed), and not drawn in waves (rows with rollout_ids, from an
+    evaluate.py that cut the problems into waves of --batch-size: other seeds). Raises
+    InputError saying what differs."""
     if done:
-        ex.check_same_args(os.path.join(out_dir, "args.json"), args, SAMPLING_ARGS, f"the samples in {out_dir}")
+        # in bf16 / fp16 which rows share a forward changes the samples (tests/faults.md G20)
+        import torch
+        fp32 = (args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")) == "float32"
+        same = SAMPLING_ARGS if fp32 else SAMPLING_ARGS + ("max_num_seqs",)
+        ex.check_same_args(os.path.join(out_dir, "args.json"), args, same, f"the samples in {out_dir}")
     problems = {(b, q["id"]): q for b, qs in benches.items() for q in qs}
     for key, row in done.items():
         q = problems.get(key[:2])

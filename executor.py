@@ -837,6 +837,7 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         packaged model marked `tied_head` has its head tied again (`tie_output_head`).
     Raises:
         FileNotFoundError: no such path. ImportError (from transformers): a .gguf without gguf.
+        InputError: a layer that is not full attention (`check_full_attention`).
     """
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -860,12 +861,39 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
+    check_full_attention(model.config, path)
     drop_gguf_marker(model)
     if tie:
         tie_output_head(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def check_full_attention(config, path: str) -> None:
+    """Refuse a model with a layer that is not plain full attention, as transformers builds
+    its KV cache from the config: sliding-window layers (Mistral's `sliding_window`, Qwen2's
+    `use_sliding_window`, Gemma's and GPT-OSS's `layer_types`), chunked or linear attention.
+    The sampler continues ragged rows from one cache with pads in the *middle* of a row and
+    moves positions (`_compact`, a row's KV copied to another place), all as if every layer
+    held every position; a sliding layer keeps only its window's last positions, counted in
+    cache positions, pads included (a tiny Qwen2, window 24: greedy logprobs 0.077 off a
+    forward without cache; window 8 under continuous batching: "index 7 is out of bounds for
+    dimension 2 with size 7"; tests/faults.md G19). A
+    `sliding_window` that no layer uses (Qwen2.5's, `use_sliding_window` false) is fine.
+    Support would need per-row windows in the cache and the masks; every stage refuses such a
+    model at load instead (SFT too: no later stage could sample what it trains).
+
+    Raises InputError naming the model's `path`, the first such layer, its kind and window."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    layers = DynamicCache(config=config).layers
+    if bad := [i for i, layer in enumerate(layers) if type(layer) is not DynamicLayer]:
+        layer = layers[bad[0]]
+        raise InputError(f"{path}: {len(bad)} of {len(layers)} layers are not full attention (layer {bad[0]}: "
+                         f"{type(layer).__name__}, window {getattr(layer, 'sliding_window', None)}): the sampler "
+                         "keeps pads in the middle of its KV cache and moves positions, which such a layer does "
+                         "not allow; use a model with full attention in every layer")
 
 
 def drop_gguf_marker(model):
@@ -996,9 +1024,12 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
         temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
         top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
     Returns:
-        tokens (B,) long and logprobs (B,) float32: log-softmax of logits / T at the
-        token (raw logits at T = 0), *before* top-p / top-k, which is what the trainer
-        recomputes.
+        tokens (B,) long and logprobs (B,) float32: the token's logprob under the distribution
+        it was drawn from, the kept tokens renormalised (log 0.4/0.7 for p = 0.4 in a nucleus
+        of mass 0.7; tests/faults.md G18); log-softmax of the raw logits at T = 0. As vLLM's
+        `processed_logprobs`: the behaviour policy's logprob. A trainer whose logprob is over
+        the whole vocabulary (sft.token_logprobs) matches it only at top-p 1, top-k 0, so
+        grpo.py refuses other values (the paper samples at top-p 1.0).
     Raises:
         ValueError: non-finite logits, naming the first bad row.
 
@@ -1009,12 +1040,13 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     logits = logits.float()
     check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
     scaled = logits / temperature if temperature > 0 else logits  # (B, V)
-    logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
+    logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
     else:
         # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
-        cdf = torch.cumsum(torch.softmax(top_k_top_p(scaled, top_p, top_k), dim=-1).double(), dim=-1)
+        cdf = torch.cumsum(torch.softmax(kept, dim=-1).double(), dim=-1)
         total = cdf[:, -1:]  # (B, 1)
         gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
         u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
@@ -1128,8 +1160,8 @@ class Sample:
 
     ids: (P + C,) prompt ids then every completion id exactly as fed to the model.
     roles: (P + C,) ROLE_PROMPT / ROLE_MODEL / ROLE_OUTPUT per token (output = environment).
-    logprobs: (P + C,) the sampler's logprob of each model token (log-softmax of logits / T,
-        raw logits at T = 0); NaN at prompt and output positions.
+    logprobs: (P + C,) the sampler's logprob of each model token (`sample_next_token`: under
+        the distribution it was drawn from); NaN at prompt and output positions.
     text: the completion decoded (plan, blocks, outputs, answer), without a final EOS.
     blocks: one {"code", "output", "status"} per executed block.
     finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.

@@ -663,7 +663,8 @@ def parse_args(argv=None):
                    help="truncated importance sampling: weight min(pi_old / pi_sampler, C) a token; 0 = off")
     # rollout
     p.add_argument("--temperature", type=executor.positive_float, default=1.0, help="sampling and loss temperature")
-    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--top-p", type=executor.unit_float, default=1.0, help="nucleus mass: 1.0 only (the loss's logprob "
+                   "is over the whole vocabulary)")
     p.add_argument("--max-context", type=executor.positive_int, default=16384, help="tokens a sample, prompt included")
     p.add_argument("--max-new-tokens", type=executor.nonneg_int, default=0, help="model tokens a sample; 0 = no cap")
     p.add_argument("--max-tool-calls", type=executor.nonneg_int, default=20, help="executed code blocks per sample")
@@ -680,7 +681,12 @@ def parse_args(argv=None):
     # the flags shared with sft.py: --micro-batch, --weight-decay, --grad-clip, --chunk-size, --seed,
     # --fsdp, --shard-optimizer, --grad-checkpointing, --fp32, --no-progress
     sft.add_training_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.top_p < 1:  # the sampler would record the nucleus's logprob (tests/faults.md G18)
+        p.error(f"--top-p {args.top_p}: GRPO samples at top-p 1.0 (the paper's value): its loss takes each "
+                "token's logprob over the whole vocabulary, so a nucleus would train another policy than the one "
+                "that sampled")
+    return args
 
 
 # -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import evaluate as ev
 import executor as ex
 import grpo
 import sft
+import tiny
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,6 +204,8 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
     (["--group-size", "1"], "argument --group-size: expected an integer in [2, inf), got '1'"),
     (["--temperature", "0"], "argument --temperature: expected a number in (0, inf), got '0'"),
+    (["--top-p", "0.9"], "--top-p 0.9: GRPO samples at top-p 1.0 (the paper's value): its loss takes each token's "
+     "logprob over the whole vocabulary"),  # tests/faults.md G18
     (["--lr", "inf"], "argument --lr: expected a number in (0, inf), got 'inf'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
@@ -325,6 +328,24 @@ def test_evaluate_resume_refuses_another_k_or_limit(tiny_dir, tmp_path):
         with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
             ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
 
+
+
+def test_an_evaluation_resumed_in_bf16_keeps_its_max_num_seqs_G20(tiny_dir, tmp_path):
+    """In bf16 or fp16 which rows share a forward changes the samples: a resume that changes
+    --max-num-seqs is refused naming the flag; in fp32 (given, or the CPU default) it is
+    resumed, its samples unchanged (tests/test_evaluate_cli.py pins that, byte for byte)."""
+    data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
+    done = {("b", "q0", 0): {**PROBLEMS[0], "benchmark": "b", "sample_idx": 0}}
+    for dtype in ("bfloat16", "float16", "float32", None):
+        args = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
+                              "--max-num-seqs", "2"] + ["--dtype", dtype] * (dtype is not None))
+        (tmp_path / "args.json").write_text(json.dumps({"stage": "evaluate", **vars(args)}))
+        args.max_num_seqs = 5
+        if dtype == "float32" or dtype is None and not torch.cuda.is_available():  # (None: fp32 on a CPU)
+            ev.check_resume(args, str(tmp_path), done, ev.read_benchmarks(args.data, args.limit))
+            continue
+        with pytest.raises(ex.InputError, match="made with --max-num-seqs 2, this run has 5"):
+            ev.check_resume(args, str(tmp_path), done, ev.read_benchmarks(args.data, args.limit))
 
 DISTILL_FLAGS = ["--samples-per-problem", "1", "--max-new-tokens", "4", "--max-context", "8000",
                  "--max-tool-calls", "1", "--exec-workers", "1", "--batch-size", "2"]
@@ -526,6 +547,40 @@ def test_checks_that_need_the_tokenizer_run_before_any_write(tiny_dir, files, tm
 
 # -----------------------------------------------------------------------------
 # 9) distill: what its --out may be, and prompts that cannot fit
+
+
+def _tiny_family(path, family, **config):
+    """A tiny random model of another family (transformers' `<family>Config`, 2 layers) with
+    the tiny tokenizer, saved as a Hugging Face folder."""
+    import transformers
+    tok = tiny.make_tokenizer()
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **config)
+    getattr(transformers, f"{family}ForCausalLM")(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family, config, layers", [
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "1 of 2 layers are not full "
+     "attention (layer 1: DynamicSlidingWindowLayer, window 8)"),
+    ("Mistral", dict(sliding_window=16), "2 of 2 layers are not full attention (layer 0: DynamicSlidingWindowLayer, "
+     "window 16)"),
+    ("Qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0, head_dim=16), "2 of 2 layers are "
+     "not full attention (layer 0: DynamicSlidingWindowLayer, window 4)"),
+])
+def test_a_model_with_sliding_window_layers_is_refused_at_load_G19(family, config, layers, files, tmp_path, capsys):
+    """Every stage loads through `load_model`, which refuses a model whose KV cache would
+    hold a sliding-window layer (one line, exit 2, nothing written; evaluate here), while a
+    Qwen2 config with `sliding_window` set and `use_sliding_window` false (Qwen2.5's) loads."""
+    bad = _tiny_family(tmp_path / "sliding", family, **config)
+    out = str(tmp_path / "eval")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    line = _refused(ev, ["--model", bad, "--data", files["problems"], "--out", out, "--k", "1"], tmp_path, capsys, out)
+    assert f"evaluate.py: error: {bad}: {layers}: the sampler keeps pads in the middle of its KV cache" in line
+    ok = _tiny_family(tmp_path / "full", "Qwen2", sliding_window=8, use_sliding_window=False)
+    assert ex.load_model(ok)[0].config.sliding_window is None
 
 
 def test_distill_refuses_an_out_it_did_not_write_and_prompts_that_cannot_fit(tiny_dir, files, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The trajectory engine: KV-cached sampler, stop detection, rollout loop (tests/faults.md G1-G8)."""
 import functools
 import math
+import threading
 import types
 
 import pytest
@@ -423,16 +424,48 @@ def test_sampler_draws_from_the_kept_distribution_and_never_a_zero_token():
     assert ex.sample_next_token(mixed[[5, 2]], [gens()[5], gens()[2]])[0].tolist() == [alone[5], alone[2]]
 
 
-@pytest.mark.timeout(60)
+
+def test_the_sampler_records_the_logprob_of_the_nucleus_it_drew_from_G18():
+    """Probabilities [0.4, 0.3, 0.2, 0.1], top-p 0.7: the nucleus is {0, 1} (mass 0.7), and
+    a drawn token's logprob is that of the renormalised nucleus, the behaviour policy's:
+    log(0.4 / 0.7) and log(0.3 / 0.7), not the whole vocabulary's log 0.4 and log 0.3. At
+    temperature 0.5 the probabilities become p^2 / 0.30 = [0.16, 0.09, 0.04, 0.01] / 0.30
+    and the nucleus is again {0, 1} (mass 0.25 / 0.30): log(0.16 / 0.25) and log(0.09 / 0.25).
+    With top-k 1 the one kept token has logprob 0; at top-p 1 the logprob is log p."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().expand(400, 4)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(400)]  # noqa: E731
+    for kw, want in [(dict(top_p=0.7), [0.4 / 0.7, 0.3 / 0.7]), (dict(top_p=0.7, temperature=0.5), [0.64, 0.36]),
+                     (dict(top_k=1), [1.0]), (dict(), [0.4, 0.3, 0.2, 0.1])]:
+        tokens, lp = ex.sample_next_token(logits, gens(), **kw)
+        assert set(tokens.tolist()) == set(range(len(want))), kw
+        assert torch.allclose(lp, torch.tensor(want).log()[tokens], atol=1e-6), kw
+
+class HeldSandbox:
+    """A stand-in sandbox that runs every block in the real one, but holds a block whose code
+    contains `hold` until the test sets `release` (the test's own event, set when it has seen
+    what it waits for), so no test depends on one thread outlasting another. `released`:
+    True if the event was set, False if the wait gave up (60 s: a bound on a hang only)."""
+
+    def __init__(self, real, hold):
+        self.real, self.hold, self.workers = real, hold, real.workers
+        self.release, self.released = threading.Event(), None
+
+    def run(self, code, history=None):
+        if self.hold in code:
+            self.released = self.release.wait(60)
+        return self.real.run(code, history)
+
+
+@pytest.mark.timeout(120)
 def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
-    """Row A's block sleeps; row B runs its quick block and writes its whole answer
-    meanwhile (a synchronous engine would hold B until A's block returns). Both samples
-    are exactly the scripted ones."""
+    """Row A's block is held until row B has finished: B runs its quick block and writes its
+    whole answer meanwhile (a synchronous engine would hold B until A's block returns, and
+    A's wait would give up). Both samples are exactly the scripted ones."""
     tok, eos = tokenizer, tokenizer.eos_token_id
     base = tiny.make_model(tok)
     pa, pb = enc(tok, "Problem A:"), enc(tok, "Problem B, longer:")
-    a = pa + enc(tok, "```python\nimport time\ntime.sleep(1.5)\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
-        + enc(tok, "\\boxed{1}") + [eos]
+    a = pa + enc(tok, "```python\nimport time\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
+        + enc(tok, "\\boxed{1}") + [eos]  # (Scripted: no sampled position where two scripts agree, then differ)
     tail_b = enc(tok, "So the answer is " + "very " * 10 + "clearly \\boxed{2}")
     b = pb + enc(tok, "```python\nprint(2)\n```") + enc(tok, "\n```output\n2\n```\n") + tail_b + [eos]
     model = Scripted(base, [a, b], eos)
@@ -445,7 +478,10 @@ def test_rows_decode_on_while_another_rows_block_runs(tokenizer, sandbox):
         return real_forward(**kw)
 
     model.forward = spy
-    sa, sb = ex.rollout(model, tok, [pa, pb], sandbox, temperature=0.0, max_new_tokens=200)
+    held = HeldSandbox(sandbox, "print(1)")
+    sa, sb = ex.rollout(model, tok, [pa, pb], held, temperature=0.0, max_new_tokens=200,
+                        on_sample=lambda i, s: i == 1 and held.release.set())
+    assert held.released is True  # A's block returned only after B had finished
     assert sa.ids == a[:-1] + [eos] and sb.ids == b[:-1] + [eos]
     assert sa.blocks[0]["output"] == "1\n" and sb.blocks[0]["output"] == "2\n"
     # after B's output block went in, B decoded its answer while A waited on its block (a
@@ -691,23 +727,27 @@ def test_more_samples_than_rows_each_as_alone_in_order(model, tokenizer, sandbox
             assert (lp - ref).nan_to_num().abs().max().item() < 1e-5
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_place_is_refilled_while_another_row_waits_on_its_block(tokenizer, sandbox):
-    """Two rows for three scripted samples: A's block sleeps 1.5 s; B answers at once; C
-    takes B's place, is prefilled and writes its whole answer while A still waits (waves
-    would start C only after A). Finishing order B, C, A; each sample exactly its script."""
+    """Two rows for three scripted samples: A's block is held until C has finished
+    (`HeldSandbox`); B answers at once; C takes B's place, is prefilled and writes its whole
+    answer while A still waits (waves would start C only after A, and A's wait would give
+    up). Finishing order B, C, A; each sample exactly its script."""
     tok, eos = tokenizer, tokenizer.eos_token_id
     base = tiny.make_model(tok)
     pa, pb, pc = enc(tok, "Problem A:"), enc(tok, "Problem B, longer:"), enc(tok, "Count them: C")
-    a = pa + enc(tok, "```python\nimport time\ntime.sleep(1.5)\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
-        + enc(tok, "\\boxed{1}") + [eos]
+    a = pa + enc(tok, "```python\nimport time\nprint(1)\n```") + enc(tok, "\n```output\n1\n```\n") \
+        + enc(tok, "\\boxed{1}") + [eos]  # (Scripted: no sampled position where two scripts agree, then differ)
     b = pb + enc(tok, "\\boxed{2}") + [eos]
     c = pc + enc(tok, "So the answer is " + "very " * 10 + "clearly \\boxed{3}") + [eos]
     model = Scripted(base, [a, b, c], eos)
     order = []
     calls = _spy_forward(model)
-    sa, sb, sc = ex.rollout(model, tok, [pa, pb, pc], sandbox, temperature=0.0, max_new_tokens=200, max_num_seqs=2,
-                            progress=lambda tokens, done=None: done is not None and order.append(done.prompt_ids))
+    held = HeldSandbox(sandbox, "print(1)")
+    sa, sb, sc = ex.rollout(model, tok, [pa, pb, pc], held, temperature=0.0, max_new_tokens=200, max_num_seqs=2,
+                            progress=lambda tokens, done=None: done is not None and order.append(done.prompt_ids),
+                            on_sample=lambda i, s: i == 2 and held.release.set())
+    assert held.released is True  # A's block returned only after C had finished
     assert (sa.ids, sb.ids, sc.ids) == (a, b, c)
     assert sa.blocks[0]["output"] == "1\n" and sc.blocks == []
     assert order == [pb, pc, pa]

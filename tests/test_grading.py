@@ -130,16 +130,20 @@ def test_a6_grade_from_worker_threads():
     assert results == [True] * 16
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("text", ["x" * MB, r"\boxed{" + "x" * MB, r"\boxed{" + "1" * MB + "}",
                                   r"\boxed{" * (MB // 7), "{" * MB, "```python\n" * (MB // 10)])
 def test_a6_one_megabyte_strings_return_fast(text):
+    """No call waits for the grader's deadline (none is counted), and all end far within a
+    bound that only a quadratic scan or a hang would pass (tests/faults.md T2)."""
+    before = dict(executor.GRADER_FAILURES)
     t0 = time.monotonic()
     pred = extract_answer(text)
     assert grade(pred, "70") is False
     assert grade(pred, r"\frac{1}{2}") is False
     assert grade(text, r"\frac{1}{2}") is False
-    assert time.monotonic() - t0 < 1.0
+    assert executor.GRADER_FAILURES == before
+    assert time.monotonic() - t0 < 20.0
 
 
 def _timed(f, *args, **kwargs):
@@ -158,7 +162,7 @@ def test_a6_power_tower_returns_within_the_limit():
         assert grade("0.5", r"\frac{1}{2}", timeout=SLOW_OK) is True
         verdict, seconds = _timed(grade, pred, gold)
         assert verdict is False
-        assert seconds < 1.5, (gold, seconds)
+        assert seconds < 10, (gold, seconds)  # (Math-Verify alone: minutes; tests/faults.md T2)
 
 
 @pytest.mark.timeout(60)
@@ -173,7 +177,7 @@ def test_a6_time_limit_holds_from_a_worker_thread():
     t.join(10)
     assert not t.is_alive()
     verdict, seconds = out[0]
-    assert verdict is False and seconds < 1.5
+    assert verdict is False and seconds < 10  # (the counted timeout below is the deadline's; T2)
     assert executor.GRADER_FAILURES["timeout"] == timeouts + 1
 
 
@@ -182,19 +186,26 @@ def test_timeout_is_counted_and_the_next_call_gets_a_fresh_helper():
     assert grade(r"\sqrt{2}", r"\frac{2}{\sqrt{2}}", timeout=SLOW_OK) is True   # warm up
     before = dict(executor.GRADER_FAILURES)
     verdict, seconds = _timed(grade, TOWER, "x + 1", timeout=0.3)
-    assert verdict is False and seconds < 1.0                     # 0.3 s + kill + slack
+    assert verdict is False and seconds < 10                      # 0.3 s + kill + a loaded machine (T2)
     assert executor.GRADER_FAILURES == {"timeout": before["timeout"] + 1, "error": before["error"]}
     assert grade(r"\sqrt{2}", r"\frac{2}{\sqrt{2}}", timeout=SLOW_OK) is True   # new helper
 
 
 @pytest.mark.timeout(60)
-def test_a_helper_that_dies_mid_call_counts_as_an_error():
+def test_a_helper_that_dies_mid_call_counts_as_an_error(monkeypatch):
+    """The helper is killed once the request is written (not after a fixed delay, which a
+    loaded machine could reach before the call: tests/faults.md T2)."""
     assert grade("0.5", r"\frac{1}{2}", timeout=SLOW_OK) is True
     before = dict(executor.GRADER_FAILURES)
-    pid = executor._GRADER.proc.pid
-    threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
-    verdict, seconds = _timed(grade, TOWER, "x + 1", timeout=SLOW_OK)
-    assert verdict is False and seconds < 5.0
+    reply = executor._GRADER._reply
+
+    def killed_then_reply(timeout):
+        os.kill(executor._GRADER.proc.pid, signal.SIGKILL)
+        return reply(timeout)
+    with monkeypatch.context() as m:
+        m.setattr(executor._GRADER, "_reply", killed_then_reply)
+        verdict, seconds = _timed(grade, TOWER, "x + 1", timeout=SLOW_OK)
+    assert verdict is False and seconds < SLOW_OK
     assert executor.GRADER_FAILURES == {"timeout": before["timeout"], "error": before["error"] + 1}
     assert grade("0.5", r"\frac{1}{2}", timeout=SLOW_OK) is True
 

@@ -111,11 +111,12 @@ def _reset_peak_rss():
         pass
 
 
-def _assert_clean(sb, grace=1.0):
+def _assert_clean(sb, grace=10.0):
     """Nothing a block started is left: the template has no descendants at all. A block
     that reported itself done and closed its output is returned before its process has
     finished exiting, so a descendant may take a few ms to go; one still there after
-    `grace` seconds is a leak."""
+    `grace` seconds is a leak (a bound that returns as soon as the template is clean, long
+    enough for a loaded machine: tests/faults.md T2)."""
     end = time.monotonic() + grace
     while (left := _descendants(sb._proc.pid)) and time.monotonic() < end:
         time.sleep(0.01)
@@ -327,7 +328,7 @@ def test_s1_timeout_then_next_block(tmpdir_for_blocks):
         r = sb5.run("while True: pass")
         dt = time.monotonic() - t0
         assert r.status == "timeout" and not r.ok
-        assert 4.9 <= dt <= 6.0, dt
+        assert 4.9 <= dt < 15, dt  # (the upper bound only tells a stop from none, on a loaded machine)
         assert "TimeoutError" in r.output and "5 s" in r.output, r.output
         assert 'File "<code>", line 1' in r.output  # where it was stuck
         _no_sandbox_frames(r.output)
@@ -348,7 +349,7 @@ def test_s1_stubborn_loop_still_stopped(sb_quick, code):
     t0 = time.monotonic()
     r = sb_quick.run(code)
     assert r.status == "timeout"
-    assert time.monotonic() - t0 <= 1.0 + 1.0
+    assert time.monotonic() - t0 < 1.0 + 10  # (stopped, on a loaded machine too; never stopped: the 30 s mark)
     assert "TimeoutError" in r.output
     assert sb_quick.run("print(1+1)").output == "2\n"
     _assert_clean(sb_quick)
@@ -429,7 +430,7 @@ def test_s2_fork_bomb_ends_and_sandbox_survives(sb):
         # nothing behind. (As root the kernel ignores RLIMIT_NPROC, so the rlimit alone
         # does not stop it.)
         assert r.status in ("timeout", "error", "ok", "killed", "memory")
-        assert dt <= TIMEOUT + 1.5, f"fork bomb took {dt:.1f} s with a {TIMEOUT:g} s timeout"
+        assert dt <= TIMEOUT + 10, f"fork bomb took {dt:.1f} s with a {TIMEOUT:g} s timeout"
         _assert_clean(sb)
         rs = sb.run_many(["print(1+1)", "import subprocess\nprint(subprocess.run(['echo', 'hi'], "
                           "capture_output=True, text=True).stdout.strip())"])
@@ -597,7 +598,7 @@ def test_s7_dead_template_is_restarted(tmpdir_for_blocks):
 @pytest.mark.timeout(60)
 def test_s7_template_killed_mid_block_leaves_no_block_running(tmpdir_for_blocks):
     blocks = []
-    with Sandbox(workers=1, timeout=1) as box:
+    with Sandbox(workers=1, timeout=5) as box:  # (5 s: the block is seen running on a loaded machine too)
         out = {}
 
         def go():
@@ -618,7 +619,9 @@ def test_s7_template_killed_mid_block_leaves_no_block_running(tmpdir_for_blocks)
             t.join(20)
             assert not t.is_alive()
             assert "r" in out or "e" in out  # a result (the block was re-run) or a loud error
-            time.sleep(0.2)
+            deadline = time.monotonic() + 10  # (a killed process may take a moment to go; no fixed sleep)
+            while _alive_block_processes(blocks) and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert _alive_block_processes(blocks) == [], "the block outlived its template"
             assert box.run("print(1+1)").output == "2\n"
         finally:
@@ -691,7 +694,7 @@ def test_context_manager_leaves_no_process(tmpdir_for_blocks):
 # -----------------------------------------------------------------------------
 # S8: fresh directories
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_s8_each_run_in_a_fresh_directory(tmpdir_for_blocks):
     caller_cwd = os.getcwd()
     kinds = ["timeout" if i % 10 == 3 else "error" if i % 10 in (1, 6) else "ok"
@@ -703,7 +706,7 @@ def test_s8_each_run_in_a_fresh_directory(tmpdir_for_blocks):
               "print('after', sorted(os.listdir('.')), open('f.txt').read())\n"
               "print('cwd', os.getcwd(), flush=True)\n" + tails[k]).replace("{i}", str(i))
              for i, k in enumerate(kinds)]
-    with Sandbox(workers=2, timeout=0.5) as fast:
+    with Sandbox(workers=2, timeout=1.0) as fast:  # (an ok block must end within it on a loaded machine)
         results = fast.run_many(codes)
         _assert_clean(fast)
     cwds = []
@@ -781,7 +784,7 @@ def test_thousand_blocks_in_parallel(tmpdir_for_blocks):
             codes.append(f"print({i}, flush=True)\nwhile True:\n    pass")
     me = os.getpid()
     children0 = sorted(p for p, (_, ppid, _) in _proc_table().items() if ppid == me)
-    with Sandbox(workers=2, timeout=0.3) as box:
+    with Sandbox(workers=2, timeout=1.0) as box:  # (an ok block must end within it on a loaded machine)
         children_with_template = sorted(p for p, (_, ppid, _) in _proc_table().items() if ppid == me)
         groups, done = set(), threading.Event()
 
@@ -964,9 +967,10 @@ def test_twice_detached_grandchild_does_not_outlive_the_block(tmpdir_for_blocks)
     m = _marker()
     try:
         with Sandbox(workers=1, timeout=3) as box:
-            r = box.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                        f"        os.setsid()\n        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\n"
-                        "time.sleep(0.3)\nprint('parent done')\n")
+            # (the parent ends once the grandchild is about to exec, not after a fixed sleep)
+            r = box.run("import os\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                        "        os.setsid()\n        os.write(w, b'x')\n"
+                        f"        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\nos.read(r, 1)\nprint('parent done')\n")
             assert (r.status, r.output) == ("ok", "parent done\n")
             if box.contained:
                 assert _pids_with_cmdline(m) == []  # gone with the block, not only with close()
@@ -1072,9 +1076,10 @@ def test_stateful_replay_draws_the_same_random_numbers(sb):
 
 
 @pytest.mark.timeout(30)
-def test_stateful_replay_time_is_not_the_blocks_time(sb_quick):
-    rs = _trajectory(sb_quick, ["import time\ntime.sleep(0.6)", "import time\ntime.sleep(0.6)\nprint('in time')"])
-    assert [(r.status, r.output) for r in rs] == [("ok", ""), ("ok", "in time\n")]  # 1.2 s > the 1 s limit
+def test_stateful_replay_time_is_not_the_blocks_time(sb):
+    # each block sleeps 2 s of the 3 s limit (1 s to spare on a loaded machine), 4 s with the replay
+    rs = _trajectory(sb, ["import time\ntime.sleep(2)", "import time\ntime.sleep(2)\nprint('in time')"])
+    assert [(r.status, r.output) for r in rs] == [("ok", ""), ("ok", "in time\n")]  # 4 s > the 3 s limit
 
 
 @pytest.mark.timeout(40)
@@ -1222,10 +1227,12 @@ def test_s18_block_holds_no_descriptor_of_the_caller_or_template(sb):
     assert r.output == "[(0, '/dev/null'), (1, 'pipe'), (2, 'pipe'), (1024, 'pipe')]\n", r.output  # 1024+: its report
     if sb.contained:  # its namespace's init (`cat`) holds its pipe from the template and /dev/null
         result = []
-        t = threading.Thread(target=lambda: result.append(sb.run("import time\ntime.sleep(1)")))
+        t = threading.Thread(target=lambda: result.append(sb.run("import time\ntime.sleep(30)")))  # (ends at TIMEOUT)
         t.start()
-        time.sleep(0.5)
-        cats = [p for p, _, _ in _descendants(sb._proc.pid) if _cmdline(p) == b"cat\0"]
+        deadline, cats = time.monotonic() + TIMEOUT, []  # until the block's init is seen, not a fixed sleep
+        while not cats and time.monotonic() < deadline:
+            time.sleep(0.05)
+            cats = [p for p, _, _ in _descendants(sb._proc.pid) if _cmdline(p) == b"cat\0"]
         held = [sorted((f, os.readlink(f"/proc/{p}/fd/{f}").split(":")[0]) for f in os.listdir(f"/proc/{p}/fd"))
                 for p in cats]
         t.join()
@@ -1329,7 +1336,7 @@ def test_s22_threads_count_towards_the_fork_bomb_limit(sb):
                "    threading.Thread(target=time.sleep, args=(10,), daemon=True).start()\ntime.sleep(10)\n")
     if sb.contained:  # (not root: RLIMIT_NPROC counts threads, against all the user's processes)
         assert r.status == "killed" or "can't start new thread" in r.output, r.output  # the count, or pids.max
-        assert r.seconds < 2.0
+        assert r.seconds < TIMEOUT  # (stopped by the limit, not by the timeout)
 
 
 SEMANTICS = {
@@ -1371,8 +1378,9 @@ def test_s23_stateful_earlier_base_exception_or_thread_exit_ends_only_that_block
     assert [(r.status, r.output.splitlines()[0]) for r in rs] == [
         ("error", "Traceback (most recent call last):"), ("ok", "next 1"),
         ("error", "Traceback (most recent call last):"), ("ok", "still 1")]
-    rs = _trajectory(sb, ["import os, threading, time\nx = 1\nthreading.Thread(target=os._exit, args=(0,)).start()\n"
-                          "time.sleep(0.5)\nx = 2", "print(x)"])
+    # (the main thread joins the one that exits: `x = 2` never runs, however slow the machine)
+    rs = _trajectory(sb, ["import os, threading\nx = 1\nt = threading.Thread(target=os._exit, args=(0,))\nt.start()\n"
+                          "t.join()\nx = 2", "print(x)"])
     assert [(r.status, r.output) for r in rs] == [("ok", "[os._exit(0) called: the program stopped here]"),
                                                   ("ok", "1\n")]
 
@@ -1394,8 +1402,9 @@ def test_s25_a_tracer_cannot_keep_the_block_from_ending(sb):
     would keep its zombie from being reaped (only the tracer may reap a traced zombie), so
     `run` never returned; ptrace is refused (EPERM) and the block ends at its timeout."""
     code = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\nmain = os.getpid()\n"
-            "if os.fork() == 0:\n    os.setsid()\n    print(libc.ptrace(0x4206, main, 0, 0), ctypes.get_errno(), flush=True)\n"
-            "    time.sleep(30)\n    os._exit(0)\ntime.sleep(0.5)\n")
+            "r, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+            "    print(libc.ptrace(0x4206, main, 0, 0), ctypes.get_errno(), flush=True)\n    os.write(w, b'x')\n"
+            "    time.sleep(30)\n    os._exit(0)\nos.read(r, 1)\n")  # (the block ends once the child has tried)
     t0 = time.monotonic()
     r = sb.run(code)
     assert time.monotonic() - t0 < 15
