@@ -78,6 +78,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -104,6 +105,11 @@ _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # bey
 _SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
              "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
 _NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_NOBODY = 65534  # uid and gid of a contained block
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # its syscall number
+# what a block's root holds of the host besides the interpreter (see _enter_new_root)
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts")
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -147,8 +153,9 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     template sends the child's pid and wait status there, the child that its setup is done
     or failed; no block code ever holds it), the output pipe's write end and the block's
     report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
-    caller made a cgroup for the block. With `contain`, every mount of the template's own mount
-    namespace is made read-only and nodev first, and each block gets a new PID namespace."""
+    caller made a cgroup for the block. With `contain`, the template first moves into a root
+    of its own (_enter_new_root), and each block gets a new PID namespace whose init is
+    _init_main."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
@@ -157,20 +164,13 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:  # (a locked /proc: as before)
         f.write("1000")
     os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
-    ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
+    ctrl, why = socket.socket(fileno=ctrl_fd), ""
     if contain:
         try:
-            _libc("unshare", _NEWNS)
-            _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
-            for dev in devices:  # mounts of their own, so usable when every other mount is nodev
-                _mount(dev, dev, None, _BIND)
-            with open("/proc/self/mountinfo") as f:
-                targets = [line.split()[4].encode() for line in f]
-            for target in targets:  # nodev too: through a device file root could write a disk
-                _mount(None, target, None, _REMOUNT | _BIND | _RDONLY | (0 if target in devices else _NODEV))
             pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+            _enter_new_root()
         except OSError as e:
-            contain, why = False, f"cannot make the filesystem read-only for blocks: {e}"
+            contain, why = False, f"cannot build the blocks' filesystem: {e}"
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -190,13 +190,14 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             fds = list(struct.unpack(f"{len(anc[0][2]) // 4}i", anc[0][2]))  # (SCM_RIGHTS: C ints)
             hold_w = None
             if contain:
-                # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
-                # template holds: once the block is reaped (or the template dies) the pipe
-                # closes, cat exits and the kernel kills all that is left in the namespace.
+                # A new PID namespace whose init (pid 1, _init_main) reaps orphans and waits on a pipe
+                # only the template holds: once the block is reaped (or the template dies) the
+                # pipe closes, init exits and the kernel kills all that is left in the namespace.
                 # (The block is pid 2, not 1: pid 1 ignores signals it has no handler for.)
                 _libc("unshare", _NEWPID)
                 hold_r, hold_w = os.pipe()
-                os.posix_spawn("/bin/cat", ["cat"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
+                if os.fork() == 0:
+                    _init_main(hold_r)
                 os.close(hold_r)
             pid = os.fork()
             if pid == 0:
@@ -227,12 +228,76 @@ def _send(sock, **msg):
         sock.send(json.dumps(msg).encode())
 
 
-def _tmp_entries_needed() -> list:
-    """Names of the entries of the system /tmp that hold the interpreter, its packages or
-    this file (a venv or a clone under /tmp, as in CI): a contained block's private /tmp
-    would hide them, so they are bound into it again, read-only."""
-    paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.abspath(__file__), *sys.path)
-    return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
+def _enter_new_root():
+    """Move the template (and so every block it forks) into a root of its own, built once: a
+    read-only tmpfs holding only what `python -u block.py` needs, bound read-only, nosuid and
+    nodev at the same paths: /usr, /bin, /sbin, /lib*, the loader's and the time zone's files
+    of /etc (and a passwd and group naming only root and nobody), the interpreter's
+    prefixes and its sys.path folders (never one holding this file's folder: the project,
+    run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
+    random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
+    own. Only binds of those folders, not of the mounts below them: no host mount is
+    remounted, so one hidden under another (shadowed) cannot make this fail. Raises OSError."""
+    _libc("unshare", _NEWNS)
+    _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
+    here = os.path.dirname(os.path.abspath(__file__))
+    asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             *filter(None, sys.path)]
+    links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
+    real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
+    real = [p for i, p in enumerate(real) if not any(p.startswith(q + "/") for q in real[:i])
+            and not (here + "/").startswith(p + "/")]
+    devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
+    sources = {p: os.open(p, os.O_PATH) for p in real + devices}  # (opened before the tmpfs hides /tmp)
+    _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
+    for p, fd in sources.items():
+        new = f"/tmp{p}"
+        os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
+        if not os.path.exists(new):
+            os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
+        _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
+        _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
+        os.close(fd)
+    links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+                  "/dev/stderr": "/proc/self/fd/2"})
+    for p, target in [(p, t) for p, t in links.items() if not os.path.lexists(f"/tmp{p}")]:
+        os.makedirs(os.path.dirname(f"/tmp{p}"), exist_ok=True)
+        os.symlink(target, f"/tmp{p}")
+    for d in ("/proc", "/tmp", "/dev/shm", "/etc"):  # (the first three: mount points of each block's own)
+        os.makedirs(f"/tmp{d}", exist_ok=True)
+    for name, text in (("passwd", "root:x:0:0::/:/bin/false\nnobody:x:65534:65534::/:/bin/false\n"),
+                       ("group", "root:x:0:\nnogroup:x:65534:\n")):
+        with open(f"/tmp/etc/{name}", "w") as f:
+            f.write(text)
+    os.chdir("/tmp")
+    if os.uname().machine in _PIVOT_ROOT:  # pivot_root(".", "."), then the old root leaves this namespace
+        _libc("syscall", _PIVOT_ROOT[os.uname().machine], b".", b".")
+        _libc("umount2", b".", 2)  # MNT_DETACH
+    else:  # (a block has no capability, so it cannot leave a chroot either)
+        os.chroot(".")
+    os.chdir("/")
+    _mount(None, b"/", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
+
+
+def _init_main(hold_r):
+    """pid 1 of a block's PID namespace (forked by the template, root, in no cgroup): reaps
+    every process orphaned there, as an init does, until `hold_r` reads end-of-file (the
+    template closed the other end: the block was reaped, or the template died); then it
+    exits and the kernel kills what is left in the namespace. Holds only that pipe,
+    /dev/null and a wakeup pipe of its own."""
+    signal.set_wakeup_fd(-1)
+    os.dup2(hold_r, 0)
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # the template's and the caller's
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)  # (SIGCHLD's handler is the template's: it only wakes the select)
+    while True:
+        with contextlib.suppress(ChildProcessError):  # (before the select: a child may be gone already)
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        if 0 in select.select([0, wake_r], [], [])[0]:  # (nothing is ever written there: readable is closed)
+            os._exit(0)
+        os.read(wake_r, 4096)
 
 
 def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
@@ -244,29 +309,33 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     cgroup.procs files). It keeps only fds 0-2 and its report pipe (at _REPORT_FD): nothing
     of the template's or the caller's."""
     os.setsid()  # its own process group
-    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
     for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
         os.write(procs, b"0")
     if contain:
         # CLONE_NEWIPC, CLONE_NEWNET: IPC objects of its own; no network, not even the caller's loopback
         _libc("unshare", _NEWNS | 0x8000000 | 0x40000000)
-        system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
+        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)  # (its /proc/self: used just below)
+        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
+        system_tmp, names = os.open("/tmp", os.O_PATH), os.listdir("/tmp")  # (before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
-        for name in _tmp_entries_needed():  # a venv or clone under /tmp: shown again, read-only
+        for name in names:  # the root's /tmp holds only a venv under the system /tmp (CI): shown again, read-only
             os.mkdir(f"/tmp/{name}")
             _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
             _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
         os.close(system_tmp)
-        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
-        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
+        os.setgroups([])  # nobody: no file, socket, lease, lock or per-user limit of root's
+        os.setgid(_NOBODY)
+        os.setuid(_NOBODY)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+        _LIBC.prctl(4, 1)  # PR_SET_DUMPABLE (cleared by setuid): its own /proc files stay its own
         if os.uname().machine in _SYSCALLS:  # (elsewhere: see the module docstring)
             _no_user_namespaces()
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it): it dies with the template
     os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
     os.chdir(req["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
@@ -358,9 +427,16 @@ def _execute(blocks, k, main, stateful):
 def _replay(blocks, main):
     """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
     an exception of any kind, or an exit (os._exit too, from any thread), ends that block
-    only, as in a persistent interpreter."""
-    real_exit, me = os._exit, os.getpid()
-    os.dup2(1, _REPORT_FD - 1)  # (high, out of reach of os.closerange(3, 1024))
+    only, as in a persistent interpreter. The output and report pipes wait in a thread
+    with an fd table of its own (_keep_fds), out of reach of what the replay closes
+    (os.closerange(3, 65536) too), and come back through a unix socket of the block's own."""
+    if len(blocks) == 1:
+        return
+    real_exit, me, name = os._exit, os.getpid(), f"\0thinc_{os.urandom(8).hex()}"
+    held, wanted = threading.Event(), threading.Event()
+    keeper = threading.Thread(target=_keep_fds, args=(name, held, wanted), daemon=True)
+    keeper.start()
+    held.wait()
     os.dup2(0, 1)
     os.dup2(0, 2)
     os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
@@ -370,9 +446,29 @@ def _replay(blocks, main):
                 _execute(blocks, k, main, True)
     finally:
         os._exit = real_exit
-        os.dup2(_REPORT_FD - 1, 1)
-        os.dup2(_REPORT_FD - 1, 2)
-        os.close(_REPORT_FD - 1)
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(name)
+            server.listen()
+            wanted.set()
+            out, report = socket.recv_fds(server.accept()[0], 1, 2)[1]
+        keeper.join()
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.dup2(report, _REPORT_FD, inheritable=False)
+        os.close(out)
+        os.close(report)
+
+
+def _keep_fds(name, held, wanted):
+    """The thread of _replay: unshares its fd table (CLONE_FILES), so it keeps fd 1 (the
+    output pipe) and _REPORT_FD whatever the replay closes, and sends them to the socket
+    `name` (abstract: in the block's own network namespace) once `wanted` is set."""
+    _libc("unshare", 0x400)
+    held.set()
+    wanted.wait()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(name)
+        socket.send_fds(s, [b"f"], [1, _REPORT_FD])
 
 
 def _end_replayed_block(n):
@@ -452,8 +548,9 @@ class Sandbox(contextlib.AbstractContextManager):
                   "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
-                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
-        self.workers = workers or len(os.sched_getaffinity(0))
+                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
+                 allow_uncontained: bool = os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"):
+        self.workers, self.allow_uncontained = workers or len(os.sched_getaffinity(0)), allow_uncontained
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
@@ -486,14 +583,19 @@ class Sandbox(contextlib.AbstractContextManager):
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
         self._proc.stderr.close()
         hello = json.loads(hello)
+        if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
+            self._stop()
+            raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
+                               f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
         if hello["why"]:
-            print(f"executor.py: warning: blocks are not contained ({hello['why']})", file=sys.stderr)
+            print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
         self.contained, self._ctrl = hello["contained"], ours
         self._generation += 1
 
     def _stop(self):
         if self._proc is not None:
-            self._ctrl.close()
+            with contextlib.suppress(AttributeError):  # (a start that failed has no socket yet)
+                self._ctrl.close()
             for pid in list(self._running):
                 _signal(pid, signal.SIGKILL)
             _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
@@ -575,7 +677,10 @@ class Sandbox(contextlib.AbstractContextManager):
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
         with self._lock:  # (another thread may take the last free one)
             group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
-        procs = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group]
+        for d in group:  # a pooled cgroup's peak memory is the last block's: reset (v1; v2 resets per open file)
+            with contextlib.suppress(OSError), open(f"{d}/memory.max_usage_in_bytes", "w") as f:
+                f.write("0")
+        procs, ooms = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group], _oom_kills(group)
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
         info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
@@ -630,10 +735,11 @@ class Sandbox(contextlib.AbstractContextManager):
             sock.close()
             os.close(out_r)
             os.close(rep_r)
+            oom = _oom_kills(group) > ooms  # (SIGKILLed by the kernel for memory, not by itself)
             (_remove_cgroup if self._closed else self._cgroups.append)(group)
             if not self.contained:  # (its directory and the block's file beside it)
                 shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
-        status, note = _describe(info["exit"], report, stop, self.timeout)
+        status, note = _describe(info["exit"], report, stop, self.timeout, oom)
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
@@ -672,6 +778,16 @@ def _remove_cgroup(dirs):
             time.sleep(0.001)
 
 
+def _oom_kills(group) -> int:
+    """Processes the kernel has killed for memory so far: in the block's cgroup (v1
+    memory.oom_control, v2 memory.events), or without one on the whole machine (/proc/vmstat)."""
+    n = 0
+    for path in [f"{d}/{name}" for d in group for name in ("memory.oom_control", "memory.events")] or ["/proc/vmstat"]:
+        with contextlib.suppress(OSError), open(path) as f:
+            n += sum(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+    return n
+
+
 def _user_processes() -> int:
     n = 0
     for d in os.listdir("/proc"):
@@ -695,12 +811,13 @@ class _HeadTail:
             del self.tail[:-self.half]
 
 
-def _describe(wait_status, report, stop, timeout):
+def _describe(wait_status, report, stop, timeout, oom=False):
     """(status, note): how the block ended, and a last line that says so in words a model
     can act on ('' for a normal end). wait_status: its main process's, from the template.
     report: what came on its report pipe, b"s" as it started, then, when it ended through
     Python, b"-" or the name of the exception that ended it. The block can write there
-    too, so the report only picks among the descriptions of its exit status."""
+    too, so the report only picks among the descriptions of its exit status. oom: the kernel
+    killed a process for memory while it ran (else a SIGKILL is `killed`: it may be its own)."""
     if stop == "bomb":
         return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
     if stop == "timeout":
@@ -708,8 +825,9 @@ def _describe(wait_status, report, stop, timeout):
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
-        return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
-                signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
+        if sig == signal.SIGKILL and oom:
+            return "memory", "Process killed by SIGKILL (out of memory)."
+        return {signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
             sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
     code, error = os.WEXITSTATUS(wait_status), report[1:]
     if error == b"MemoryError" and code:
