@@ -26,9 +26,13 @@ Departures from the paper (it does not describe its executor):
        thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
        background and detached processes, threads, forged messages (the caller trusts
        only the template's socket, which no block process holds; a block keeps fds 0-2
-       and its own report pipe); as root (development, CI): writes, deletes and device
-       access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
-       read-only), anything left running after the block (a PID namespace per block),
+       and its own report pipe); as root (development, CI): reading the host's files (a
+       block's root holds only /usr, /bin, /lib*, the loader's and time zone's /etc files,
+       the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
+       no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
+       leases and per-user limits (a block runs as nobody, uid 65534); writes, deletes and
+       device access outside the block's own tmpfs /tmp and /dev/shm, anything left
+       running after the block (a PID namespace per block, whose init reaps orphans),
        SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
        services (a network namespace), kernel keys, user namespaces, setns and ptrace (a
        seccomp filter, on x86_64 and aarch64); out of memory, the kernel kills a block
@@ -36,18 +40,23 @@ Departures from the paper (it does not describe its executor):
        v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
        tasks of all the block's processes together, memfds, page cache and threads too.
      not covered (this is the one list of it):
-       - reading any file the caller can read; the descriptions (not the
-         contents) of the caller's keys in /proc/keys; CPU time of a block's processes
-         together (RLIMIT_CPU is per process);
+       - what a block's root holds (the interpreter's prefixes and sys.path folders whole:
+         a package's files, a venv's bin/); flock and inotify on those shared files (a
+         channel between concurrent blocks); mounts below a bound folder show as empty
+         folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
+         CPU time of a block's processes together (RLIMIT_CPU is per process);
        - without a cgroup: memory of a block's processes together and memory a process
          does not map (memfds or /dev/shm files written with write(), pipe and socket
          buffers; RLIMIT_AS is per process and counts only mappings); processes and
          threads are counted every 0.1 s, so a fast burst can pass MAX_BLOCK_PROCS
          between two counts;
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
-       - when the caller is not root (or namespaces are refused): writes and deletes of
-         the caller's own files, a detached process outliving the block, the shared
-         /tmp, /dev/shm, IPC objects, keys and network, user namespaces, ptrace;
+       - when the caller is not root (or, as root with allow_uncontained, namespaces are
+         refused): reading any file the caller can read (its project, data, run folders,
+         models, $HOME), writes and deletes of the caller's own files, its sockets and
+         FIFOs, leases, locks and inotify on its files, a detached process outliving the
+         block, the shared /tmp, /dev/shm, IPC objects, keys and network, user
+         namespaces, ptrace;
        - in stateful mode, spawn and forkserver children import only the current
          block's file (definitions of earlier blocks are missing there);
        - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
@@ -125,7 +134,8 @@ class ExecResult:
     output: stdout and stderr interleaved in write order, capped to head + tail with a
         marker of how much was cut; ends with a status line for a timeout / kill / exit call.
     status: 'ok' | 'error' (an exception or a non-zero exit code) | 'timeout' | 'memory'
-        (MemoryError or the address-space limit) | 'killed' (a signal, e.g. a segfault).
+        (MemoryError, the address-space limit or the kernel's OOM killer) | 'killed' (a
+        signal, e.g. a segfault or its own SIGKILL).
     seconds: wall time of the block.
     """
     output: str
@@ -309,6 +319,7 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     cgroup.procs files). It keeps only fds 0-2 and its report pipe (at _REPORT_FD): nothing
     of the template's or the caller's."""
     os.setsid()  # its own process group
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the template
     req = json.loads(os.pread(req_fd, os.fstat(req_fd).st_size, 0))
     for procs in cgroups:  # (cgroup.procs files the caller opened: "0" is the writer itself)
         os.write(procs, b"0")
@@ -333,9 +344,9 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
         os.setuid(_NOBODY)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         _LIBC.prctl(4, 1)  # PR_SET_DUMPABLE (cleared by setuid): its own /proc files stay its own
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG again: setuid cleared it
         if os.uname().machine in _SYSCALLS:  # (elsewhere: see the module docstring)
             _no_user_namespaces()
-    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (after setuid, which clears it): it dies with the template
     os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
     os.chdir(req["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDWR), 0)
@@ -520,9 +531,10 @@ class Sandbox(contextlib.AbstractContextManager):
     head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
     then True), a block has its own PID namespace (all it starts dies with it, however it
     detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
-    namespace and mount namespace: the filesystem read-only and nodev except a private
-    tmpfs /tmp (its working directory and TMPDIR) and /dev/shm; no capabilities; a seccomp
-    filter against user namespaces, setns and kernel keys. Where the caller may make
+    namespace and mount namespace: a root of its own holding only the system and the
+    interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
+    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
+    seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
     cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
     one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
     page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
@@ -538,8 +550,12 @@ class Sandbox(contextlib.AbstractContextManager):
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
+        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
+            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
+            of failing (default: THINC_ALLOW_UNCONTAINED=1 in the environment).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted. (The
+        SandboxError: the template cannot start, or died and cannot be restarted, or a
+        root caller cannot contain blocks and did not allow that. (The
         limits are not checked here: the stages' argparse types bound them.)
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
@@ -582,7 +598,7 @@ class Sandbox(contextlib.AbstractContextManager):
             err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
         self._proc.stderr.close()
-        hello = json.loads(hello)
+        hello, self._ctrl = json.loads(hello), ours
         if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
             self._stop()
             raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
@@ -594,8 +610,7 @@ class Sandbox(contextlib.AbstractContextManager):
 
     def _stop(self):
         if self._proc is not None:
-            with contextlib.suppress(AttributeError):  # (a start that failed has no socket yet)
-                self._ctrl.close()
+            self._ctrl.close()
             for pid in list(self._running):
                 _signal(pid, signal.SIGKILL)
             _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
@@ -2359,6 +2374,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
     p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
     p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
+    p.add_argument("--allow-uncontained", action="store_true",
+                   help="as root where namespaces are refused: run blocks uncontained (a warning), not fail")
     args = p.parse_args(argv)
     codes = []
     for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
@@ -2371,7 +2388,7 @@ def main(argv=None):
             raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
     history = []
     with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
-                 max_output_chars=args.max_output_chars) as sb:
+                 max_output_chars=args.max_output_chars, allow_uncontained=args.allow_uncontained) as sb:
         for path, code in zip(args.files, codes):
             r = sb.run(code, history=list(history) if args.stateful else None)
             history.append({"code": code, "output": r.output, "status": r.status})

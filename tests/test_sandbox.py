@@ -1445,7 +1445,7 @@ def test_s26_no_network_no_open_file_flood_and_the_block_dies_first_out_of_memor
 
 
 # -----------------------------------------------------------------------------
-# An allow-listed root, run as nobody, per-block state (faults S27-S36)
+# An allow-listed root, run as nobody, per-block state (faults S27-S35)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="containment is for a root caller (CI runs as root)")
 
@@ -1565,8 +1565,8 @@ def test_a_block_runs_as_nobody_and_takes_no_lease_lock_or_watch_on_the_callers_
 
 
 @pytest.mark.timeout(60)
-def test_orphans_are_reaped_like_plain_python_S31(sb):
-    """tests/faults.md S31: 100 `subprocess.run("true &", shell=True)`: each `true` is
+def test_orphans_are_reaped_like_plain_python_S30(sb):
+    """tests/faults.md S30: 100 `subprocess.run("true &", shell=True)`: each `true` is
     orphaned in the block's PID namespace, whose init reaps it, so the block ends as plain
     Python does (before: init was `cat`, the zombies piled up and counted as a fork bomb)."""
     code = ("import subprocess\nfor _ in range(100):\n    subprocess.run('true &', shell=True, check=True)\n"
@@ -1578,8 +1578,8 @@ def test_orphans_are_reaped_like_plain_python_S31(sb):
 
 @pytest.mark.timeout(60)
 @ROOT_ONLY
-def test_a_pooled_cgroup_shows_no_earlier_blocks_peak_memory_S32(tmpdir_for_blocks):
-    """tests/faults.md S32: one block touches 300 MiB, the next prints a number; the peak of
+def test_a_pooled_cgroup_shows_no_earlier_blocks_peak_memory_S31(tmpdir_for_blocks):
+    """tests/faults.md S31: one block touches 300 MiB, the next prints a number; the peak of
     the cgroup they shared (reused from the pool) after the second is the second's, under
     100 MiB (before: the first's, >= 300 MiB)."""
     with Sandbox(workers=1, timeout=20, memory_mb=0) as box:
@@ -1593,8 +1593,8 @@ def test_a_pooled_cgroup_shows_no_earlier_blocks_peak_memory_S32(tmpdir_for_bloc
 
 
 @pytest.mark.timeout(60)
-def test_stateful_block_after_one_that_closed_every_fd_gets_its_own_timeout_and_output_S33(sb_quick):
-    """tests/faults.md S33: an earlier block calls os.closerange(3, 65536), another closes
+def test_stateful_block_after_one_that_closed_every_fd_gets_its_own_timeout_and_output_S32(sb_quick):
+    """tests/faults.md S32: an earlier block calls os.closerange(3, 65536), another closes
     fd 4095; nine trivial blocks follow. The next block, replaying them, prints, then
     sleeps past its 1 s timeout: it is stopped at its own timeout, with its output (before:
     after the replay's 11 x 1 s, or with no output). The bound, 6 s, is 5 s from both."""
@@ -1607,8 +1607,8 @@ def test_stateful_block_after_one_that_closed_every_fd_gets_its_own_timeout_and_
 
 
 @pytest.mark.timeout(30)
-def test_a_block_that_sigkills_itself_is_killed_not_out_of_memory_S34(sb):
-    """tests/faults.md S34: SIGKILL from the block itself is status `killed`; `memory` only
+def test_a_block_that_sigkills_itself_is_killed_not_out_of_memory_S33(sb):
+    """tests/faults.md S33: SIGKILL from the block itself is status `killed`; `memory` only
     when the kernel's OOM killer acted (its cgroup's oom_kill count rose: S22's test)."""
     r = sb.run("import os, signal\nprint('up', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
     assert (r.status, r.output) == ("killed", "up\nProcess killed by signal SIGKILL (Killed).")
@@ -1616,8 +1616,8 @@ def test_a_block_that_sigkills_itself_is_killed_not_out_of_memory_S34(sb):
 
 @pytest.mark.timeout(60)
 @ROOT_ONLY
-def test_a_shadowed_mount_leaves_blocks_contained_S35(tmp_path):
-    """tests/faults.md S35: in a mount namespace where a tmpfs over a folder hides a mount
+def test_a_shadowed_mount_leaves_blocks_contained_S34(tmp_path):
+    """tests/faults.md S34: in a mount namespace where a tmpfs over a folder hides a mount
     below it, the sandbox still contains its blocks: a block's rmtree of the caller's
     folder finds nothing to delete (before: the template's remount of the hidden mount
     failed, and every block ran uncontained, as root)."""
@@ -1638,8 +1638,8 @@ def test_a_shadowed_mount_leaves_blocks_contained_S35(tmp_path):
 
 @pytest.mark.timeout(60)
 @ROOT_ONLY
-def test_a_root_caller_that_cannot_contain_blocks_stops_unless_it_asked_S36():
-    """tests/faults.md S36: a root caller without CAP_SYS_ADMIN (dropped from its bounding
+def test_a_root_caller_that_cannot_contain_blocks_stops_unless_it_asked_S35():
+    """tests/faults.md S35: a root caller without CAP_SYS_ADMIN (dropped from its bounding
     set: the template cannot unshare) gets a SandboxError at start; with
     allow_uncontained=True the blocks run, uncontained, and a warning says so (before:
     every block ran uncontained after one warning line)."""
