@@ -207,7 +207,10 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
                 _libc("unshare", _NEWPID)
                 hold_r, hold_w = os.pipe()
                 if os.fork() == 0:
-                    _init_main(hold_r)
+                    try:
+                        _init_main(hold_r)
+                    finally:  # (never back into this loop)
+                        os._exit(0)
                 os.close(hold_r)
             pid = os.fork()
             if pid == 0:
@@ -605,7 +608,7 @@ class Sandbox(contextlib.AbstractContextManager):
                                f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
         if hello["why"]:
             print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
-        self.contained, self._ctrl = hello["contained"], ours
+        self.contained = hello["contained"]
         self._generation += 1
 
     def _stop(self):
