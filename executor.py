@@ -51,6 +51,8 @@ Departures from the paper (it does not describe its executor):
          threads are counted every 0.1 s, so a fast burst can pass MAX_BLOCK_PROCS
          between two counts;
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
+       - without /bin/bash: orphans of a block are not reaped (its namespace's init is
+         `cat`), so a block that leaves many may count as a fork bomb;
        - when the caller is not root (or, as root with allow_uncontained, namespaces are
          refused): reading any file the caller can read (its project, data, run folders,
          models, $HOME), writes and deletes of the caller's own files, its sockets and
@@ -165,7 +167,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
     caller made a cgroup for the block. With `contain`, the template first moves into a root
     of its own (_enter_new_root), and each block gets a new PID namespace whose init is
-    _init_main."""
+    bash, which reaps orphans."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
@@ -204,18 +206,12 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
                 # template holds: once the block is reaped (or the template dies) the pipe
                 # closes, init exits and the kernel kills all that is left in the namespace.
                 # (The block is pid 2, not 1: pid 1 ignores signals it has no handler for.)
-                # init: bash, whose SIGCHLD handler reaps any child, reading the pipe (~4 ms a
-                # block less than a fork of this large process, _init_main: where there is no bash)
+                # init: bash, whose SIGCHLD handler reaps any child (a Python init forked from
+                # this large process cost ~4 ms more a block); without bash, `cat`, which does not
                 _libc("unshare", _NEWPID)
                 hold_r, hold_w = os.pipe()
-                if os.access("/bin/bash", os.X_OK):
-                    os.posix_spawn("/bin/bash", ["bash", "-c", "read -r _"], {},
-                                   file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
-                elif os.fork() == 0:
-                    try:
-                        _init_main(hold_r)
-                    finally:  # (never back into this loop)
-                        os._exit(0)
+                init = ["/bin/bash", "-c", "read -r _"] if os.access("/bin/bash", os.X_OK) else ["/bin/cat"]
+                os.posix_spawn(init[0], init, {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
                 os.close(hold_r)
             pid = os.fork()
             if pid == 0:
@@ -295,28 +291,6 @@ def _enter_new_root():
         os.chroot(".")
     os.chdir("/")
     _mount(None, b"/", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
-
-
-def _init_main(hold_r):
-    """pid 1 of a block's PID namespace where there is no /bin/bash (forked by the template,
-    root, in no cgroup): reaps every process orphaned there, as an init does, until
-    `hold_r` reads end-of-file (the
-    template closed the other end: the block was reaped, or the template died); then it
-    exits and the kernel kills what is left in the namespace. Holds only that pipe,
-    /dev/null and a wakeup pipe of its own."""
-    signal.set_wakeup_fd(-1)
-    os.dup2(hold_r, 0)
-    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # the template's and the caller's
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)  # (SIGCHLD's handler is the template's: it only wakes the select)
-    while True:
-        with contextlib.suppress(ChildProcessError):  # (before the select: a child may be gone already)
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        if 0 in select.select([0, wake_r], [], [])[0]:  # (nothing is ever written there: readable is closed)
-            os._exit(0)
-        os.read(wake_r, 4096)
 
 
 def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
@@ -561,7 +535,7 @@ class Sandbox(contextlib.AbstractContextManager):
         python: interpreter for the template (numpy / scipy / sympy importable there).
         allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
             a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
-            of failing (default: THINC_ALLOW_UNCONTAINED=1 in the environment).
+            of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
     Raises:
         SandboxError: the template cannot start, or died and cannot be restarted, or a
         root caller cannot contain blocks and did not allow that. (The
@@ -574,8 +548,9 @@ class Sandbox(contextlib.AbstractContextManager):
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
-                 allow_uncontained: bool = os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"):
-        self.workers, self.allow_uncontained = workers or len(os.sched_getaffinity(0)), allow_uncontained
+                 allow_uncontained: bool = False):
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self.allow_uncontained = allow_uncontained or os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
