@@ -41,8 +41,9 @@ Departures from the paper (it does not describe its executor):
        tasks of all the block's processes together, memfds, page cache and threads too.
      not covered (this is the one list of it):
        - what a block's root holds (the interpreter's prefixes and sys.path folders whole:
-         a package's files, a venv's bin/); flock and inotify on those shared files (a
-         channel between concurrent blocks); mounts below a bound folder show as empty
+         a package's files, a venv's bin/); flock and inotify on those shared files, and
+         nobody's per-user limits (inotify instances), shared by concurrent blocks (a
+         channel between them); mounts below a bound folder show as empty
          folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
        - without a cgroup: memory of a block's processes together and memory a process
