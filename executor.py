@@ -26,9 +26,13 @@ Departures from the paper (it does not describe its executor):
        thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
        background and detached processes, threads, forged messages (the caller trusts
        only the template's socket, which no block process holds; a block keeps fds 0-2
-       and its own report pipe); as root (development, CI): writes, deletes and device
-       access outside the block's own tmpfs /tmp and /dev/shm (the filesystem is
-       read-only), anything left running after the block (a PID namespace per block),
+       and its own report pipe); as root (development, CI): reading the host's files (a
+       block's root holds only /usr, /bin, /lib*, the loader's and time zone's /etc files,
+       the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
+       no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
+       leases and per-user limits (a block runs as nobody, uid 65534); writes, deletes and
+       device access outside the block's own tmpfs /tmp and /dev/shm, anything left
+       running after the block (a PID namespace per block, whose init reaps orphans),
        SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
        services (a network namespace), kernel keys, user namespaces, setns and ptrace (a
        seccomp filter, on x86_64 and aarch64); out of memory, the kernel kills a block
@@ -36,18 +40,26 @@ Departures from the paper (it does not describe its executor):
        v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
        tasks of all the block's processes together, memfds, page cache and threads too.
      not covered (this is the one list of it):
-       - reading any file the caller can read; the descriptions (not the
-         contents) of the caller's keys in /proc/keys; CPU time of a block's processes
-         together (RLIMIT_CPU is per process);
+       - what a block's root holds (the interpreter's prefixes and sys.path folders whole:
+         a package's files, a venv's bin/); flock and inotify on those shared files, and
+         nobody's per-user limits (inotify instances), shared by concurrent blocks (a
+         channel between them); mounts below a bound folder show as empty
+         folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
+         CPU time of a block's processes together (RLIMIT_CPU is per process);
        - without a cgroup: memory of a block's processes together and memory a process
          does not map (memfds or /dev/shm files written with write(), pipe and socket
          buffers; RLIMIT_AS is per process and counts only mappings); processes and
          threads are counted every 0.1 s, so a fast burst can pass MAX_BLOCK_PROCS
          between two counts;
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
-       - when the caller is not root (or namespaces are refused): writes and deletes of
-         the caller's own files, a detached process outliving the block, the shared
-         /tmp, /dev/shm, IPC objects, keys and network, user namespaces, ptrace;
+       - without /bin/bash: orphans of a block are not reaped (its namespace's init is
+         `cat`), so a block that leaves many may count as a fork bomb;
+       - when the caller is not root (or, as root with allow_uncontained, namespaces are
+         refused): reading any file the caller can read (its project, data, run folders,
+         models, $HOME), writes and deletes of the caller's own files, its sockets and
+         FIFOs, leases, locks and inotify on its files, a detached process outliving the
+         block, the shared /tmp, /dev/shm, IPC objects, keys and network, user
+         namespaces, ptrace;
        - in stateful mode, spawn and forkserver children import only the current
          block's file (definitions of earlier blocks are missing there);
        - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
@@ -79,6 +91,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -105,6 +118,11 @@ _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # bey
 _SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
              "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
 _NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_NOBODY = 65534  # uid and gid of a contained block
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # its syscall number
+# what a block's root holds of the host besides the interpreter (see _enter_new_root)
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts")
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -120,7 +138,8 @@ class ExecResult:
     output: stdout and stderr interleaved in write order, capped to head + tail with a
         marker of how much was cut; ends with a status line for a timeout / kill / exit call.
     status: 'ok' | 'error' (an exception or a non-zero exit code) | 'timeout' | 'memory'
-        (MemoryError or the address-space limit) | 'killed' (a signal, e.g. a segfault).
+        (MemoryError, the address-space limit or the kernel's OOM killer) | 'killed' (a
+        signal, e.g. a segfault or its own SIGKILL).
     seconds: wall time of the block.
     """
     output: str
@@ -148,8 +167,9 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     template sends the child's pid and wait status there, the child that its setup is done
     or failed; no block code ever holds it), the output pipe's write end and the block's
     report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
-    caller made a cgroup for the block. With `contain`, every mount of the template's own mount
-    namespace is made read-only and nodev first, and each block gets a new PID namespace."""
+    caller made a cgroup for the block. With `contain`, the template first moves into a root
+    of its own (_enter_new_root), and each block gets a new PID namespace whose init is
+    bash, which reaps orphans."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
@@ -158,20 +178,13 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:  # (a locked /proc: as before)
         f.write("1000")
     os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
-    ctrl, why, devices = socket.socket(fileno=ctrl_fd), "", [f"/dev/{d}".encode() for d in ("null", "zero", "random", "urandom")]
+    ctrl, why = socket.socket(fileno=ctrl_fd), ""
     if contain:
         try:
-            _libc("unshare", _NEWNS)
-            _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
-            for dev in devices:  # mounts of their own, so usable when every other mount is nodev
-                _mount(dev, dev, None, _BIND)
-            with open("/proc/self/mountinfo") as f:
-                targets = [line.split()[4].encode() for line in f]
-            for target in targets:  # nodev too: through a device file root could write a disk
-                _mount(None, target, None, _REMOUNT | _BIND | _RDONLY | (0 if target in devices else _NODEV))
             pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+            _enter_new_root()
         except OSError as e:
-            contain, why = False, f"cannot make the filesystem read-only for blocks: {e}"
+            contain, why = False, f"cannot build the blocks' filesystem: {e}"
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -191,13 +204,16 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             fds = list(struct.unpack(f"{len(anc[0][2]) // 4}i", anc[0][2]))  # (SCM_RIGHTS: C ints)
             hold_w = None
             if contain:
-                # A new PID namespace whose init (pid 1) is `cat` reading a pipe only the
+                # A new PID namespace whose init (pid 1) reaps orphans and reads a pipe only the
                 # template holds: once the block is reaped (or the template dies) the pipe
-                # closes, cat exits and the kernel kills all that is left in the namespace.
+                # closes, init exits and the kernel kills all that is left in the namespace.
                 # (The block is pid 2, not 1: pid 1 ignores signals it has no handler for.)
+                # init: bash, whose SIGCHLD handler reaps any child (a Python init forked from
+                # this large process cost ~4 ms more a block); without bash, `cat`, which does not
                 _libc("unshare", _NEWPID)
                 hold_r, hold_w = os.pipe()
-                os.posix_spawn("/bin/cat", ["cat"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
+                init = ["/bin/bash", "-c", "read -r _"] if os.access("/bin/bash", os.X_OK) else ["/bin/cat"]
+                os.posix_spawn(init[0], init, {}, file_actions=[(os.POSIX_SPAWN_DUP2, hold_r, 0)])
                 os.close(hold_r)
             pid = os.fork()
             if pid == 0:
@@ -228,12 +244,55 @@ def _send(sock, **msg):
         sock.send(json.dumps(msg).encode())
 
 
-def _tmp_entries_needed() -> list:
-    """Names of the entries of the system /tmp that hold the interpreter, its packages or
-    this file (a venv or a clone under /tmp, as in CI): a contained block's private /tmp
-    would hide them, so they are bound into it again, read-only."""
-    paths = (sys.prefix, sys.exec_prefix, sys.base_prefix, os.path.abspath(__file__), *sys.path)
-    return sorted({p.split("/")[2] for p in map(os.path.realpath, filter(None, paths)) if p.startswith("/tmp/")})
+def _enter_new_root():
+    """Move the template (and so every block it forks) into a root of its own, built once: a
+    read-only tmpfs holding only what `python -u block.py` needs, bound read-only, nosuid and
+    nodev at the same paths: /usr, /bin, /sbin, /lib*, the loader's and the time zone's files
+    of /etc (and a passwd and group naming only root and nobody), the interpreter's
+    prefixes and its sys.path folders (never one holding this file's folder: the project,
+    run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
+    random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
+    own. Only binds of those folders, not of the mounts below them: no host mount is
+    remounted, so one hidden under another (shadowed) cannot make this fail. Raises OSError."""
+    _libc("unshare", _NEWNS)
+    _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
+    here = os.path.dirname(os.path.abspath(__file__))
+    asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             *filter(None, sys.path)]
+    links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
+    real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
+    real = [p for i, p in enumerate(real) if not any(p.startswith(q + "/") for q in real[:i])
+            and not (here + "/").startswith(p + "/")]
+    devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
+    sources = {p: os.open(p, os.O_PATH) for p in real + devices}  # (opened before the tmpfs hides /tmp)
+    _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
+    for p, fd in sources.items():
+        new = f"/tmp{p}"
+        os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
+        if not os.path.exists(new):
+            os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
+        _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
+        _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
+        os.close(fd)
+    links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+                  "/dev/stderr": "/proc/self/fd/2"})
+    for p, target in [(p, t) for p, t in links.items() if not os.path.lexists(f"/tmp{p}")]:
+        os.makedirs(os.path.dirname(f"/tmp{p}"), exist_ok=True)
+        os.symlink(target, f"/tmp{p}")
+    for d in ("/proc", "/tmp", "/dev/shm", "/etc"):  # (the first three: mount points of each block's own)
+        os.makedirs(f"/tmp{d}", exist_ok=True)
+    for name, text in (("passwd", "root:x:0:0::/:/bin/false\nnobody:x:65534:65534::/:/bin/false\n"),
+                       ("group", "root:x:0:\nnogroup:x:65534:\n")):
+        with open(f"/tmp/etc/{name}", "w") as f:
+            f.write(text)
+    os.chdir("/tmp")
+    if os.uname().machine in _PIVOT_ROOT:  # pivot_root(".", "."), then the old root leaves this namespace
+        _libc("syscall", _PIVOT_ROOT[os.uname().machine], b".", b".")
+        _libc("umount2", b".", 2)  # MNT_DETACH
+    else:  # (a block has no capability, so it cannot leave a chroot either)
+        os.chroot(".")
+    os.chdir("/")
+    _mount(None, b"/", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
 
 
 def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
@@ -252,20 +311,25 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
     if contain:
         # CLONE_NEWIPC, CLONE_NEWNET: IPC objects of its own; no network, not even the caller's loopback
         _libc("unshare", _NEWNS | 0x8000000 | 0x40000000)
-        system_tmp = os.open("/tmp", os.O_PATH)  # (opened before the private /tmp hides it)
+        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)  # (its /proc/self: used just below)
+        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
+        system_tmp, names = os.open("/tmp", os.O_PATH), os.listdir("/tmp")  # (before the private /tmp hides it)
         for target in (b"/tmp", b"/dev/shm"):  # size-limited, and gone with the namespace
             _mount(b"tmpfs", target, b"tmpfs", _NOSUID | _NODEV, f"size={req['tmp_mb']}m,mode=1777".encode())
-        for name in _tmp_entries_needed():  # a venv or clone under /tmp: shown again, read-only
+        for name in names:  # the root's /tmp holds only a venv under the system /tmp (CI): shown again, read-only
             os.mkdir(f"/tmp/{name}")
             _mount(f"/proc/self/fd/{system_tmp}/{name}".encode(), f"/tmp/{name}".encode(), None, _BIND | 1 << 14)
             _mount(None, f"/tmp/{name}".encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV)
         os.close(system_tmp)
-        _mount(b"proc", b"/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
-        _mount(None, b"/proc", None, _REMOUNT | _BIND | _RDONLY | _NOSUID | _NODEV | _NOEXEC)
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
+        os.setgroups([])  # nobody: no file, socket, lease, lock or per-user limit of root's
+        os.setgid(_NOBODY)
+        os.setuid(_NOBODY)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+        _LIBC.prctl(4, 1)  # PR_SET_DUMPABLE (cleared by setuid): its own /proc files stay its own
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG again: setuid cleared it
         if os.uname().machine in _SYSCALLS:  # (elsewhere: see the module docstring)
             _no_user_namespaces()
     os.mkdir(req["cwd"])  # its own empty directory (in the private /tmp, when contained)
@@ -359,9 +423,16 @@ def _execute(blocks, k, main, stateful):
 def _replay(blocks, main):
     """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
     an exception of any kind, or an exit (os._exit too, from any thread), ends that block
-    only, as in a persistent interpreter."""
-    real_exit, me = os._exit, os.getpid()
-    os.dup2(1, _REPORT_FD - 1)  # (high, out of reach of os.closerange(3, 1024))
+    only, as in a persistent interpreter. The output and report pipes wait in a thread
+    with an fd table of its own (_keep_fds), out of reach of what the replay closes
+    (os.closerange(3, 65536) too), and come back through a unix socket of the block's own."""
+    if len(blocks) == 1:
+        return
+    real_exit, me, name = os._exit, os.getpid(), f"\0thinc_{os.urandom(8).hex()}"
+    held, wanted = threading.Event(), threading.Event()
+    keeper = threading.Thread(target=_keep_fds, args=(name, held, wanted), daemon=True)
+    keeper.start()
+    held.wait()
     os.dup2(0, 1)
     os.dup2(0, 2)
     os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
@@ -371,9 +442,29 @@ def _replay(blocks, main):
                 _execute(blocks, k, main, True)
     finally:
         os._exit = real_exit
-        os.dup2(_REPORT_FD - 1, 1)
-        os.dup2(_REPORT_FD - 1, 2)
-        os.close(_REPORT_FD - 1)
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(name)
+            server.listen()
+            wanted.set()
+            out, report = socket.recv_fds(server.accept()[0], 1, 2)[1]
+        keeper.join()
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.dup2(report, _REPORT_FD, inheritable=False)
+        os.close(out)
+        os.close(report)
+
+
+def _keep_fds(name, held, wanted):
+    """The thread of _replay: unshares its fd table (CLONE_FILES), so it keeps fd 1 (the
+    output pipe) and _REPORT_FD whatever the replay closes, and sends them to the socket
+    `name` (abstract: in the block's own network namespace) once `wanted` is set."""
+    _libc("unshare", 0x400)
+    held.set()
+    wanted.wait()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(name)
+        socket.send_fds(s, [b"f"], [1, _REPORT_FD])
 
 
 def _end_replayed_block(n):
@@ -425,9 +516,10 @@ class Sandbox(contextlib.AbstractContextManager):
     head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
     then True), a block has its own PID namespace (all it starts dies with it, however it
     detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
-    namespace and mount namespace: the filesystem read-only and nodev except a private
-    tmpfs /tmp (its working directory and TMPDIR) and /dev/shm; no capabilities; a seccomp
-    filter against user namespaces, setns and kernel keys. Where the caller may make
+    namespace and mount namespace: a root of its own holding only the system and the
+    interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
+    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
+    seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
     cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
     one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
     page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
@@ -443,8 +535,12 @@ class Sandbox(contextlib.AbstractContextManager):
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
+        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
+            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
+            of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted. (The
+        SandboxError: the template cannot start, or died and cannot be restarted, or a
+        root caller cannot contain blocks and did not allow that. (The
         limits are not checked here: the stages' argparse types bound them.)
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
@@ -453,8 +549,10 @@ class Sandbox(contextlib.AbstractContextManager):
                   "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
 
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
-                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable):
+                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
+                 allow_uncontained: bool = False):
         self.workers = workers or len(os.sched_getaffinity(0))
+        self.allow_uncontained = allow_uncontained or os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
         self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
@@ -486,10 +584,14 @@ class Sandbox(contextlib.AbstractContextManager):
             err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
         self._proc.stderr.close()
-        hello = json.loads(hello)
+        hello, self._ctrl = json.loads(hello), ours
+        if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
+            self._stop()
+            raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
+                               f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
         if hello["why"]:
-            print(f"executor.py: warning: blocks are not contained ({hello['why']})", file=sys.stderr)
-        self.contained, self._ctrl = hello["contained"], ours
+            print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
+        self.contained = hello["contained"]
         self._generation += 1
 
     def _stop(self):
@@ -576,7 +678,10 @@ class Sandbox(contextlib.AbstractContextManager):
             "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
         with self._lock:  # (another thread may take the last free one)
             group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
-        procs = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group]
+        for d in group:  # a pooled cgroup's peak memory is the last block's: reset (v1; v2 resets per open file)
+            with contextlib.suppress(OSError), open(f"{d}/memory.max_usage_in_bytes", "w") as f:
+                f.write("0")
+        procs, ooms = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group], _oom_kills(group)
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
         info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
@@ -631,10 +736,11 @@ class Sandbox(contextlib.AbstractContextManager):
             sock.close()
             os.close(out_r)
             os.close(rep_r)
+            oom = _oom_kills(group) > ooms  # (SIGKILLed by the kernel for memory, not by itself)
             (_remove_cgroup if self._closed else self._cgroups.append)(group)
             if not self.contained:  # (its directory and the block's file beside it)
                 shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
-        status, note = _describe(info["exit"], report, stop, self.timeout)
+        status, note = _describe(info["exit"], report, stop, self.timeout, oom)
         return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
 
 
@@ -673,6 +779,16 @@ def _remove_cgroup(dirs):
             time.sleep(0.001)
 
 
+def _oom_kills(group) -> int:
+    """Processes the kernel has killed for memory so far: in the block's cgroup (v1
+    memory.oom_control, v2 memory.events), or without one on the whole machine (/proc/vmstat)."""
+    n = 0
+    for path in [f"{d}/{name}" for d in group for name in ("memory.oom_control", "memory.events")] or ["/proc/vmstat"]:
+        with contextlib.suppress(OSError), open(path) as f:
+            n += sum(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+    return n
+
+
 def _user_processes() -> int:
     n = 0
     for d in os.listdir("/proc"):
@@ -696,12 +812,13 @@ class _HeadTail:
             del self.tail[:-self.half]
 
 
-def _describe(wait_status, report, stop, timeout):
+def _describe(wait_status, report, stop, timeout, oom=False):
     """(status, note): how the block ended, and a last line that says so in words a model
     can act on ('' for a normal end). wait_status: its main process's, from the template.
     report: what came on its report pipe, b"s" as it started, then, when it ended through
     Python, b"-" or the name of the exception that ended it. The block can write there
-    too, so the report only picks among the descriptions of its exit status."""
+    too, so the report only picks among the descriptions of its exit status. oom: the kernel
+    killed a process for memory while it ran (else a SIGKILL is `killed`: it may be its own)."""
     if stop == "bomb":
         return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
     if stop == "timeout":
@@ -709,8 +826,9 @@ def _describe(wait_status, report, stop, timeout):
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None
     if sig:
         name = {s.value: s.name for s in signal.Signals}.get(sig, str(sig))
-        return {signal.SIGKILL: ("memory", "Process killed by SIGKILL (possibly out of memory)."),
-                signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
+        if sig == signal.SIGKILL and oom:
+            return "memory", "Process killed by SIGKILL (out of memory)."
+        return {signal.SIGXCPU: ("timeout", "Process killed: CPU time limit exceeded.")}.get(
             sig, ("killed", f"Process killed by signal {name} ({signal.strsignal(sig)})."))
     code, error = os.WEXITSTATUS(wait_status), report[1:]
     if error == b"MemoryError" and code:
@@ -2367,6 +2485,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
     p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
     p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
+    p.add_argument("--allow-uncontained", action="store_true",
+                   help="as root where namespaces are refused: run blocks uncontained (a warning), not fail")
     args = p.parse_args(argv)
     codes = []
     for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
@@ -2379,7 +2499,7 @@ def main(argv=None):
             raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
     history = []
     with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
-                 max_output_chars=args.max_output_chars) as sb:
+                 max_output_chars=args.max_output_chars, allow_uncontained=args.allow_uncontained) as sb:
         for path, code in zip(args.files, codes):
             r = sb.run(code, history=list(history) if args.stateful else None)
             history.append({"code": code, "output": r.output, "status": r.status})

@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -93,9 +94,18 @@ def _pids_with_cmdline(marker):
             if state != "Z" and m in _cmdline(p)]
 
 
+def _is_init(pid):
+    """Whether pid is pid 1 of a PID namespace of its own (a block's init, forked from the template)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return re.search(r"NSpid:[\t\d]*\t1\n", f.read()) is not None
+    except OSError:
+        return False
+
+
 def _alive_block_processes(pids):
-    """Those of pids that are still a live process forked from a sandbox template."""
-    return [p for p in pids if _state(p) not in (None, "Z") and b"_template_main" in _cmdline(p)]
+    """Those of pids that are still a live process forked from a sandbox template (not an init)."""
+    return [p for p in pids if _state(p) not in (None, "Z") and b"_template_main" in _cmdline(p) and not _is_init(p)]
 
 
 def _vm_kb(key):
@@ -915,7 +925,7 @@ def test_root_block_cannot_delete_or_change_files_outside_its_directory(sb):
     fd, in_tmp = tempfile.mkstemp(dir="/tmp", prefix="thinc_sentinel_")  # the system temp directory
     os.write(fd, b"keep")
     os.close(fd)
-    run_dir = tempfile.mkdtemp(dir=ROOT, prefix=".thinc_run_")  # visible to the block, unlike /tmp
+    run_dir = tempfile.mkdtemp(dir=ROOT, prefix=".thinc_run_")  # (not in the block's root either: S27)
     in_run = os.path.join(run_dir, "args.json")
     with open(in_run, "w") as f:
         f.write("keep")
@@ -928,7 +938,7 @@ def test_root_block_cannot_delete_or_change_files_outside_its_directory(sb):
                        "            lambda: os.chmod(p, 0), lambda: os.rename(p, p + '.x')):\n"
                        "    try:\n        act()\n    except OSError as e:\n        print(e.strerror)\n")
             if target == in_run:  # (/tmp is the block's own tmpfs: there it sees no sentinel at all)
-                assert r.output.splitlines() == ["Read-only file system"] * 4, r.output
+                assert r.output.splitlines() == ["No such file or directory"] * 4, r.output
             assert open(target).read() == "keep" and os.stat(target).st_mode & 0o777 != 0
         r = sb.run("import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/'],"
                    " capture_output=True).returncode != 0, open('/tmp/mine', 'w').write('ok'))")
@@ -997,20 +1007,29 @@ def test_each_block_has_its_own_temp_space_and_shm(sb):
 
 
 @pytest.mark.timeout(60)
-def test_a_project_under_the_system_tmp_stays_readable_to_its_blocks(tmp_path):
-    """CI may clone the project and its venv under /tmp: a contained block's private /tmp
-    still shows them (read-only), or every lazy import from site-packages fails."""
+def test_a_venv_under_the_system_tmp_stays_usable_but_not_the_project_around_it(tmp_path):
+    """CI may clone the project and make its venv under /tmp: a contained block's private
+    /tmp still shows the venv (read-only; every lazy import from site-packages needs it),
+    but not the project folder around it (tests/faults.md S27)."""
     if os.geteuid() != 0:
         pytest.skip("containment (a private /tmp) is root-only")
     shutil.copy(os.path.join(ROOT, "executor.py"), tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True, timeout=50)
+    probe = glob.glob(str(tmp_path / ".venv/lib/python*/site-packages"))[0] + "/thinc_probe.py"
+    with open(probe, "w") as f:
+        f.write("VALUE = 42\n")
+    os.chmod(probe, 0o666)  # (writable by nobody too: only the read-only mount refuses the write)
     target = str(tmp_path / "executor.py")
-    read, write = f"print(open({target!r}).read(3))", f"open({target!r}, 'a').write('x')"
+    read = f"import os, thinc_probe\nprint(thinc_probe.VALUE, os.path.exists({target!r}))"
+    write = f"open({probe!r}, 'a')"
     code = ("import executor\nwith executor.Sandbox(timeout=10) as sb:\n"
             f"    r, w = sb.run({read!r}), sb.run({write!r})\n"
-            "    print(sb.contained, r.status, r.output.strip(), w.status, 'Read-only file system' in w.output)\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
-    assert p.stdout == 'True ok """ error True\n', p.stdout + p.stderr
-    assert open(target).read() == open(os.path.join(ROOT, "executor.py")).read()
+            "    print(sb.contained, r.status, r.output.strip(), w.status, w.output.splitlines()[-1])\n")
+    p = subprocess.run([str(tmp_path / ".venv/bin/python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=50)
+    want = f"True ok 42 False error OSError: [Errno 30] Read-only file system: {probe!r}\n"
+    assert p.stdout == want, p.stdout + p.stderr
+    assert open(probe).read() == "VALUE = 42\n"
 
 
 @pytest.mark.timeout(60)
@@ -1225,16 +1244,16 @@ def test_s18_block_holds_no_descriptor_of_the_caller_or_template(sb):
                "print([(min(fd, 1024), os.readlink(f'/proc/self/fd/{fd}').split(':')[0]) for fd in fds\n"
                "       if os.path.lexists(f'/proc/self/fd/{fd}')])")
     assert r.output == "[(0, '/dev/null'), (1, 'pipe'), (2, 'pipe'), (1024, 'pipe')]\n", r.output  # 1024+: its report
-    if sb.contained:  # its namespace's init (`cat`) holds its pipe from the template and /dev/null
+    if sb.contained:  # its namespace's init (bash) holds its pipe from the template and /dev/null
         result = []
         t = threading.Thread(target=lambda: result.append(sb.run("import time\ntime.sleep(30)")))  # (ends at TIMEOUT)
         t.start()
-        deadline, cats = time.monotonic() + TIMEOUT, []  # until the block's init is seen, not a fixed sleep
-        while not cats and time.monotonic() < deadline:
+        deadline, inits = time.monotonic() + TIMEOUT, []  # until the block's init is seen, not a fixed sleep
+        while not inits and time.monotonic() < deadline:
             time.sleep(0.05)
-            cats = [p for p, _, _ in _descendants(sb._proc.pid) if _cmdline(p) == b"cat\0"]
+            inits = [p for p, _, _ in _descendants(sb._proc.pid) if _is_init(p)]
         held = [sorted((f, os.readlink(f"/proc/{p}/fd/{f}").split(":")[0]) for f in os.listdir(f"/proc/{p}/fd"))
-                for p in cats]
+                for p in inits]
         t.join()
         assert held == [[("0", "pipe"), ("1", "/dev/null"), ("2", "/dev/null")]], held
 
@@ -1432,3 +1451,214 @@ def test_s26_no_network_no_open_file_flood_and_the_block_dies_first_out_of_memor
     assert lines[1:] == [str((ex._REPORT_FD + 1,) * 2), "1000"] and ex._REPORT_FD < 4096, r.output
     if sb.contained:
         assert lines[0] in ("ConnectionRefusedError", "OSError"), r.output
+
+
+# -----------------------------------------------------------------------------
+# An allow-listed root, run as nobody, per-block state (faults S27-S35)
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="containment is for a root caller (CI runs as root)")
+
+# what a reward-hacking block would run: every path of the filesystem but /proc (its own
+# namespace's), by name (and the layout's folder name), and the contents of every file outside
+# the system and the interpreter (but the block's own)
+SEARCH = ("import os, sys\nfound = []\nfor top, dirs, files in os.walk('/'):\n"
+          "    dirs[:] = [d for d in dirs if os.path.join(top, d) != '/proc']\n"
+          "    for name in dirs + files:\n        path = os.path.join(top, name)\n"
+          "        if (name.endswith(('.jsonl', '.safetensors')) or name in ('args.json', '.ssh')\n"
+          "                or {folder!r} in path):\n"
+          "            found.append(path)\n"
+          "        elif name in files and path != __file__ and not path.startswith(('/usr/', '/dev/', sys.base_prefix,"
+          " sys.prefix)):\n"
+          "            try:\n                text = open(path, 'rb').read(1 << 20)\n"
+          "            except OSError:\n                continue\n"
+          "            if {problem!r}.encode() in text or {answer!r}.encode() in text:\n"
+          "                found.append(path)\nprint(found)\n")
+
+
+@pytest.fixture
+def run_layout():
+    """A realistic run, made by the caller (root) in the project folder: data/*.jsonl with a
+    problem and its gold answer, a run folder (args.json naming the data, samples.jsonl,
+    pass_rates.jsonl), a checkpoint's *.safetensors and a ~/.ssh-like 0600 key. Yields
+    (problem, answer, folder); removed afterwards."""
+    d = tempfile.mkdtemp(dir=ROOT, prefix=".thinc_layout_")
+    problem, answer = f"What is the remainder of 7^{random.randrange(10**6)} mod 1009?", str(random.randrange(10**9))
+    files = {"data/held_out.jsonl": f'{{"problem": "{problem}", "answer": "{answer}"}}\n',
+             "runs/grpo/args.json": '{"data": "data/held_out.jsonl"}',
+             "runs/grpo/samples.jsonl": f'{{"pred": "{answer}"}}\n',
+             "runs/grpo/pass_rates.jsonl": f'{{"problem": "{problem}", "pass_rate": 0.5}}\n',
+             "runs/grpo/ckpt/model.safetensors": "weights", "home/.ssh/id_ed25519": f"key {answer}"}
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+    os.chmod(os.path.join(d, "home/.ssh/id_ed25519"), 0o600)
+    yield problem, answer, d
+    shutil.rmtree(d)
+
+
+@pytest.mark.timeout(300)
+@ROOT_ONLY
+def test_a_block_searching_the_whole_filesystem_finds_nothing_of_the_callers_S27(tmpdir_for_blocks, run_layout):
+    """tests/faults.md S27: the block's root holds only the system and the interpreter, so a
+    walk of '/' finds no *.jsonl, *.safetensors, args.json, .ssh or executor.py, and no file
+    holding the problem or its answer (before: all of them, read-only, in seconds)."""
+    problem, answer, folder = run_layout
+    with Sandbox(workers=1, timeout=120) as box:  # (the walk reads the whole venv)
+        r = box.run(SEARCH.format(problem=problem, answer=answer, folder=os.path.basename(folder)))
+    assert (r.status, r.output) == ("ok", "[]\n"), r.output[:3000]
+
+
+@pytest.mark.timeout(300)
+@ROOT_ONLY
+def test_rollout_block_searching_for_the_answer_key_finds_nothing_S27(run_layout, tokenizer):
+    """The same search as the block a (scripted) policy writes for the problem of the
+    layout, run by executor.rollout through the sandbox the stages use."""
+    from test_engine import Scripted, enc
+    import tiny
+    problem, answer, folder = run_layout
+    prompt = ex.build_prompt_ids(tokenizer, problem)
+    code = SEARCH.format(problem=problem, answer=answer, folder=os.path.basename(folder))
+    model = Scripted(tiny.make_model(tokenizer), [prompt + enc(tokenizer, f"Search.\n```python\n{code}```")],
+                     tokenizer.eos_token_id)
+    with Sandbox(workers=1, timeout=120) as box:
+        out = ex.rollout(model, tokenizer, [prompt], box, temperature=0.0, max_new_tokens=len(code) + 50)[0]
+    assert [(b["code"], b["status"], b["output"]) for b in out.blocks] == [(code, "ok", "[]\n")], out.blocks
+
+
+@pytest.mark.timeout(30)
+@ROOT_ONLY
+def test_a_block_reaches_no_unix_socket_or_fifo_of_the_caller_S28(sb):
+    """tests/faults.md S28: a listening unix socket and a FIFO (with a reader) in the project
+    folder: the block neither connects nor writes (before: both, as root: the network
+    namespace does not cover path sockets)."""
+    d = tempfile.mkdtemp(dir=ROOT, prefix=".thinc_ipc_")
+    server, fifo = socket.socket(socket.AF_UNIX), os.path.join(d, "fifo")
+    server.bind(os.path.join(d, "sock"))
+    server.listen()
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        r = sb.run(f"import os, socket\ns = socket.socket(socket.AF_UNIX)\n"
+                   f"for act in (lambda: s.connect({d!r} + '/sock'),"
+                   f" lambda: os.write(os.open({fifo!r}, os.O_WRONLY | os.O_NONBLOCK), b'x')):\n"
+                   "    try:\n        act()\n        print('reached')\n"
+                   "    except OSError as e:\n        print(type(e).__name__)\n")
+        assert r.output == "FileNotFoundError\nFileNotFoundError\n", r.output
+        assert os.read(reader, 1) == b""  # (no writer ever opened it)
+    finally:
+        os.close(reader)
+        server.close()
+        shutil.rmtree(d)
+
+
+@pytest.mark.timeout(30)
+@ROOT_ONLY
+def test_a_block_runs_as_nobody_and_takes_no_lease_lock_or_watch_on_the_callers_files_S29(sb, run_layout):
+    """tests/faults.md S29: uid and gid 65534, no groups; the caller's run files cannot be
+    locked, leased or watched (not there); a lease on a root-owned file it can see (the
+    interpreter) is refused, EACCES: only a file's owner may take one (before: uid 0, all
+    of them granted, so a block could stall the caller's appends until its timeout)."""
+    target = os.path.join(run_layout[2], "runs/grpo/samples.jsonl")
+    r = sb.run("import ctypes, fcntl, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print(os.getuid(), os.getgid(), os.getgroups())\n"
+               f"try:\n    fd = os.open({target!r}, os.O_RDONLY)\n"
+               "    fcntl.flock(fd, fcntl.LOCK_EX)\n    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n"
+               "    print('locked')\n"
+               "except OSError as e:\n    print(type(e).__name__)\n"
+               f"print(libc.inotify_add_watch(libc.inotify_init1(0), {target.encode()!r}, 0xfff), ctypes.get_errno())\n"
+               "fd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)\n"
+               "try:\n    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n    print('leased')\n"
+               "except OSError as e:\n    print(e.strerror)\n")
+    assert r.output == "65534 65534 []\nFileNotFoundError\n-1 2\nPermission denied\n", r.output
+
+
+@pytest.mark.timeout(120)
+def test_orphans_are_reaped_like_plain_python_S30(tmpdir_for_blocks):
+    """tests/faults.md S30: 200 `subprocess.run("true &", shell=True)`: each `true` is
+    orphaned in the block's PID namespace, whose init reaps it, so the block ends as plain
+    Python does (before: init was `cat`, the zombies piled up past the cgroup's 128 tasks
+    and a fork failed, or the fork-bomb count stopped the block)."""
+    code = ("import subprocess\nfor _ in range(200):\n    subprocess.run('true &', shell=True, check=True)\n"
+            "print('done')\n")
+    assert _python_u(code).stdout == "done\n"
+    with Sandbox(workers=1, timeout=60) as box:
+        r = box.run(code)
+    assert (r.status, r.output) == ("ok", "done\n")
+
+
+@pytest.mark.timeout(60)
+@ROOT_ONLY
+def test_a_pooled_cgroup_shows_no_earlier_blocks_peak_memory_S31(tmpdir_for_blocks):
+    """tests/faults.md S31: one block touches 300 MiB, the next prints a number; the peak of
+    the cgroup they shared (reused from the pool) after the second is the second's, under
+    100 MiB (before: the first's, >= 300 MiB)."""
+    with Sandbox(workers=1, timeout=20, memory_mb=0) as box:
+        assert box.run("x = b'x' * (300 << 20)\nprint(len(x) >> 20)").output == "300\n"
+        assert box.run("print(1)").output == "1\n"
+        peaks = [int(open(f"{d}/memory.max_usage_in_bytes").read()) for g in box._cgroups for d in g
+                 if os.path.exists(f"{d}/memory.max_usage_in_bytes")]
+    if not peaks:
+        pytest.skip("no cgroup v1 memory hierarchy here (v2 resets a peak only per open file)")
+    assert len(peaks) == 1 and peaks[0] < 100 << 20, peaks
+
+
+@pytest.mark.timeout(60)
+def test_stateful_block_after_one_that_closed_every_fd_gets_its_own_timeout_and_output_S32(sb_quick):
+    """tests/faults.md S32: an earlier block calls os.closerange(3, 65536), another closes
+    fd 4095; nine trivial blocks follow. The next block, replaying them, prints, then
+    sleeps past its 1 s timeout: it is stopped at its own timeout, with its output (before:
+    after the replay's 11 x 1 s, or with no output). The bound, 6 s, is 5 s from both."""
+    rs = _trajectory(sb_quick, ["import os\nos.closerange(3, 65536)\nx = 1",
+                                "import os\ntry:\n    os.close(4095)\nexcept OSError:\n    pass\ny = 2"]
+                     + ["z = 0"] * 9 + ["import time\nprint(x + y, flush=True)\ntime.sleep(60)"])
+    r = rs[-1]
+    assert r.status == "timeout" and r.output.startswith("3\n"), r.output
+    assert r.seconds < 6, r.seconds
+
+
+@pytest.mark.timeout(30)
+def test_a_block_that_sigkills_itself_is_killed_not_out_of_memory_S33(sb):
+    """tests/faults.md S33: SIGKILL from the block itself is status `killed`; `memory` only
+    when the kernel's OOM killer acted (its cgroup's oom_kill count rose: S22's test)."""
+    r = sb.run("import os, signal\nprint('up', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert (r.status, r.output) == ("killed", "up\nProcess killed by signal SIGKILL (Killed).")
+
+
+@pytest.mark.timeout(60)
+@ROOT_ONLY
+def test_a_shadowed_mount_leaves_blocks_contained_S34(tmp_path):
+    """tests/faults.md S34: in a mount namespace where a tmpfs over a folder hides a mount
+    below it, the sandbox still contains its blocks: a block's rmtree of the caller's
+    folder finds nothing to delete (before: the template's remount of the hidden mount
+    failed, and every block ran uncontained, as root)."""
+    (tmp_path / "keep").write_text("keep")
+    hidden = tmp_path / "shadow" / "x" / "ro"
+    hidden.mkdir(parents=True)
+    block = (f"import os, shutil\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+             f"print(os.getuid(), os.path.exists({str(tmp_path)!r}))")
+    code = ("import executor as ex\nex._libc('unshare', ex._NEWNS)\nex._mount(None, b'/', None, 1 << 14 | 1 << 18)\n"
+            f"ex._mount(b'tmpfs', {str(hidden).encode()!r}, b'tmpfs', 0)\n"
+            f"ex._mount(b'tmpfs', {str(tmp_path / 'shadow').encode()!r}, b'tmpfs', 0)\n"
+            "with ex.Sandbox(workers=1, timeout=10) as sb:\n"
+            f"    r = sb.run({block!r})\n    print(sb.contained, r.output, end='')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert (p.stdout, p.stderr) == ("True 65534 False\n", ""), p.stdout + p.stderr
+    assert (tmp_path / "keep").read_text() == "keep"
+
+
+@pytest.mark.timeout(60)
+@ROOT_ONLY
+def test_a_root_caller_that_cannot_contain_blocks_stops_unless_it_asked_S35():
+    """tests/faults.md S35: a root caller without CAP_SYS_ADMIN (dropped from its bounding
+    set: the template cannot unshare) gets a SandboxError at start; with
+    allow_uncontained=True the blocks run, uncontained, and a warning says so (before:
+    every block ran uncontained after one warning line)."""
+    code = ("import executor as ex\nex._LIBC.prctl(24, 21, 0, 0, 0)  # PR_CAPBSET_DROP, CAP_SYS_ADMIN\ntry:\n"
+            "    ex.Sandbox(workers=1, timeout=5)\n    print('started')\nexcept ex.SandboxError as e:\n"
+            "    print('SandboxError', 'allow_uncontained=True' in str(e))\n"
+            "with ex.Sandbox(workers=1, timeout=5, allow_uncontained=True) as sb:\n"
+            "    print(sb.contained, sb.run('print(1)').output, end='')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert p.stdout == "SandboxError True\nFalse 1\n", p.stdout + p.stderr
+    assert p.stderr.startswith("executor.py: warning: blocks are not contained, as asked (cannot build"), p.stderr

@@ -32,15 +32,16 @@ WANT = "{274177: 1, 67280421310721: 1}\n"
 OLD_COMMIT = "ffd26f0"
 
 
-def old_sandbox_class():
-    """Sandbox of executor.py at OLD_COMMIT, imported from git history (None without git)."""
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{OLD_COMMIT}:executor.py"], capture_output=True, text=True)
+def old_sandbox_class(commit):
+    """Sandbox of executor.py at `commit`, imported from git history (None without git). The
+    file is named executor.py in a folder of its own: its template imports it by that name."""
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:executor.py"], capture_output=True, text=True)
     if src.returncode != 0:
         return None
-    path = os.path.join(tempfile.mkdtemp(), "executor_ffd26f0.py")
+    path = os.path.join(tempfile.mkdtemp(), "executor.py")
     with open(path, "w") as f:
         f.write(src.stdout)
-    spec = importlib.util.spec_from_file_location("executor_ffd26f0", path)
+    spec = importlib.util.spec_from_file_location(f"executor_{commit}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.Sandbox
@@ -87,6 +88,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=40, help="timed blocks, one at a time, per design")
     p.add_argument("--batch", type=int, default=120, help="blocks of the throughput run (fresh: a third)")
+    p.add_argument("--old", default=OLD_COMMIT, help="commit whose sandbox is row (c)")
     args = p.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print(f"python {sys.version.split()[0]}, {cpus} CPUs usable, load average {os.getloadavg()[0]:.1f}, "
@@ -100,12 +102,12 @@ def main():
         rows["b"] = measure("(b) fresh python -c per block", lambda: fresh(SYMPY_BLOCK),
                             lambda codes: list(pool.map(fresh, codes)), None, max(5, args.n // 4),
                             max(cpus, args.batch // 3))
-    old = old_sandbox_class()
+    old = old_sandbox_class(args.old)
     if old is None:
-        print(f"(c) fork server of {OLD_COMMIT}: not in this checkout's git history, skipped")
+        print(f"(c) fork server of {args.old}: not in this checkout's git history, skipped")
     else:
         with old(workers=cpus) as sb:
-            rows["c"] = measure(f"(c) fork server of {OLD_COMMIT}", lambda: sb.run(SYMPY_BLOCK).output,
+            rows["c"] = measure(f"(c) fork server of {args.old}", lambda: sb.run(SYMPY_BLOCK).output,
                                 lambda codes: [r.output for r in sb.run_many(codes)], sb._proc.pid,
                                 args.n, args.batch)
     a, b = rows["a"], rows["b"]
