@@ -466,8 +466,9 @@ def solved_ids(path: str) -> set:
     """Ids whose latest record in a pass-rate JSONL was solved n / n."""
     latest = {}
     for i, r in executor.read_jsonl(path, torn_tail_ok=True):
-        # ("n": "2" or true is no count)
-        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int):
+        # ("n": "2" or true is no count; nor correct > n or a negative one: tests/faults.md B34)
+        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int
+                and 0 <= r["correct"] <= r["n"] and r["n"] > 0):
             raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n and correct): {r}")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
@@ -637,6 +638,7 @@ def main(argv=None, reward_fn=None):
         sft.print0(f"skipped {n0 - len(problems)} of {n0} problems whose prompt leaves no room under --max-context")
     if rank == 0:  # every check passed: the run's first write
         os.makedirs(args.out, exist_ok=True)
+        executor.lock_run(args.out)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
     stream = PromptStream(problems, args.seed, rank, world)
     # A separate rollout copy is needed under FSDP (sharded weights would put collectives in

@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, glob, hashlib, math, os, pathlib, random, shutil, sys, time
+import contextlib, glob, hashlib, math, os, pathlib, random, shutil, sys, time, zipfile
 
 import numpy as np
 import torch
@@ -48,9 +48,13 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     Initialises the process group when WORLD_SIZE > 1 (`backend`, default nccl on CUDA and
     gloo on CPU; `timeout` a datetime.timedelta for its collectives, default torch's), picks
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
-    Returns (rank, local_rank, world_size, device).
+    Returns (rank, local_rank, world_size, device). Raises InputError for a RANK or
+    WORLD_SIZE without MASTER_ADDR (left from another shell, not torchrun: tests/faults.md B38).
     """
     from transformers import set_seed
+    if stale := [k for k in ("RANK", "WORLD_SIZE") if k in os.environ and "MASTER_ADDR" not in os.environ]:
+        raise executor.InputError(f"{stale[0]}={os.environ[stale[0]]} is set but MASTER_ADDR is not (left from "
+                                  f"another run?): unset {stale[0]}, or start the run with torchrun")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -530,6 +534,10 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
     out, resume, stage = args.out, args.resume, prog.removesuffix(".py")
     executor.check_out(out, stage, (args.model, args.data, getattr(args, "drop_solved", None)),
                        [os.path.join(out, f) for f in ("args.json", *run_files)])
+    if os.path.isdir(out):  # a live run there holds it (tests/faults.md B16)
+        executor.lock_run(out)
+    for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before args.json is written
+        executor.read_jsonl_tolerant(log)
     if resume:
         if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
             print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
@@ -542,6 +550,12 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
             raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
                                       f"its weights with --model {resume}")
         executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
+        for state in glob.glob(os.path.join(glob.escape(resume), "trainer_state_rank*.pt")):
+            try:  # (torch.save writes a zip: a cut file has no central directory at its end)
+                zipfile.ZipFile(state).close()
+            except (zipfile.BadZipFile, OSError):
+                raise executor.InputError(f"{state}: a damaged trainer state (a cut file?): resume from another "
+                                          "checkpoint, or start from its weights with --model") from None
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
@@ -728,6 +742,7 @@ def main(argv=None):
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
     if rank == 0:  # every check passed: the run's first write
         os.makedirs(args.out, exist_ok=True)
+        executor.lock_run(args.out)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
 
