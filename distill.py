@@ -180,7 +180,7 @@ def main(argv=None):
     if not out.endswith(".jsonl") or os.path.exists(out) and not os.path.isfile(out):  # '', a folder, /dev/null
         raise ex.InputError(f"--out {out or repr(out)}: not a .jsonl file{' (a folder)' if os.path.isdir(out) else ''}")
     outputs = (out, rejected_path, args_path, f"{stem}.summary.json")
-    ex.check_out(os.path.dirname(os.path.abspath(out)), "distill", (args.data, args.exemplars, args.teacher), outputs)
+    ex.check_out(os.path.dirname(os.path.abspath(out)), "distill", (args.data, args.exemplars), outputs)
     # trajectories to continue: this stage's own (an empty --out: a run stopped before its args.json)
     if os.path.exists(out) and os.path.getsize(out) or os.path.exists(rejected_path):
         if not os.path.exists(args_path):

@@ -862,7 +862,8 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
                                                            output_loading_info=True, **kw)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, ImportError, SafetensorError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, ImportError, SafetensorError,
+            struct.error) as e:
         why = (str(e).strip() or "?").splitlines()[0][:300]
         why = "a weight's shape is not the one its config.json gives" if "mismatched_sizes" in why else why
         raise InputError(f"{where}: not a model this code can load ({type(e).__name__}: {why})") from None

@@ -469,7 +469,8 @@ def solved_ids(path: str) -> set:
         # ("n": "2" or true is no count; nor correct > n or a negative one: tests/faults.md B34)
         if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int
                 and 0 <= r["correct"] <= r["n"] and r["n"] > 0):
-            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n and correct): {r}")
+            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n > 0 and "
+                                      f"0 <= correct <= n): {r}")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 

