@@ -4,6 +4,7 @@ then the faults that used to give a silent wrong result: numbers in problem file
 stage writing over another stage's run, resume mixing settings, prompts longer than the
 context budget, Ctrl-C and a full disk."""
 import errno
+import io
 import json
 import os
 import shutil
@@ -806,3 +807,98 @@ def test_a_stale_rank_without_master_addr_is_one_line_B38(stage, tiny_dir, files
         monkeypatch.setenv(name, value)
         msg = _refused(module, _good_argv(stage, tiny_dir, files, str(tmp_path / "out")), tmp_path, capsys, None)
         assert msg.startswith(f"{stage}.py: error: RANK=1 is set but MASTER_ADDR is not (left from another run?)")
+
+
+# -----------------------------------------------------------------------------
+# 13) resumes from damaged checkpoints and logs; a full disk in distill
+
+
+GRPO_FLAGS = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
+              "--no-progress"]
+
+
+def test_damaged_resumes_are_refused_before_any_write_B20(tiny_dir, files, tmp_path, capsys):
+    """A grpo checkpoint with its trainer state or weights cut in half, or without its
+    tokenizer (tests/faults.md B33: it appended to metrics.jsonl and pass_rates.jsonl before
+    failing), and a metrics.jsonl torn in the middle (refused after args.json was rewritten):
+    one line each, no file created or changed."""
+    run = str(tmp_path / "g")
+    argv = ["--model", tiny_dir, "--data", files["problems"], *GRPO_FLAGS]
+    assert ex.cli(grpo.main, argv + ["--out", run, "--steps", "1"]) == 0
+    capsys.readouterr()
+
+    def cut(path):
+        os.truncate(path, os.path.getsize(path) // 2)
+
+    def torn_middle(path):
+        text = open(path).read()
+        open(path, "w").write(text[:10] + "\n" + text)
+
+    for name, damage, where, msg in (
+            ("state", cut, "latest/trainer_state_rank0.pt", "{path}: a damaged trainer state (a cut file?)"),
+            ("weights", cut, "latest/model.safetensors", "{out}/latest: not a model this code can load (SafetensorError"),
+            ("tokenizer", os.remove, "latest/tokenizer_config.json", "{out}/latest: no chat template in its tokenizer"),
+            ("log", torn_middle, "metrics.jsonl", "{path}:1: not valid JSON")):
+        out = str(tmp_path / name)
+        shutil.copytree(run, out)
+        damage(os.path.join(out, where))
+        if name == "tokenizer":
+            for f in ("tokenizer.json", "chat_template.jinja"):
+                os.remove(os.path.join(out, "latest", f))
+        err = _refused(grpo, argv + ["--out", out, "--steps", "2", "--resume", f"{out}/latest"], tmp_path, capsys, out)
+        assert err.startswith("grpo.py: error: " + msg.format(out=out, path=os.path.join(out, where))), err
+
+
+def test_a_log_line_cut_by_a_kill_is_said_on_resume_B19(tiny_dir, files, tmp_path, capsys):
+    """log.jsonl's last line (step 2) cut in half, then a resume from final/ (step 2) to
+    step 3: step 2's record is gone, and the resume says so (it said nothing)."""
+    out = str(tmp_path / "run")
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], out, 2)) == 0
+    log = os.path.join(out, "log.jsonl")
+    size = os.path.getsize(log)
+    last = len(open(log, "rb").read().splitlines()[-1]) + 1
+    os.truncate(log, size - last // 2)
+    capsys.readouterr()
+    argv = _sft_run(tiny_dir, files["traj"], out, 3) + ["--resume", os.path.join(out, "final")]
+    assert ex.cli(sft.main, argv) == 0
+    assert f"{log}: dropped a torn last line ({last - last // 2} bytes): a record cut by a kill" in \
+        capsys.readouterr().err
+    assert [r["step"] for r in ex.read_jsonl_tolerant(log)] == [1, 3]
+
+
+def test_a_full_disk_in_distill_leaves_no_torn_row_and_the_resume_gives_the_same_rows_B22(tiny_dir, files, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """A full disk writes part of a row (a short write, no error). The append cuts it off and
+    the run stops with `no space left on device`; the resumed run draws the cut batch again
+    with its seed, so both files equal an uninterrupted run's byte for byte (the batch was
+    formed from the work left, with another seed: other rows)."""
+    argv = ["--teacher", tiny_dir, "--data", files["problems"], *DISTILL_FLAGS]
+    whole = str(tmp_path / "whole" / "t.jsonl")
+    assert ex.cli(distill.main, argv + ["--out", whole]) == 0
+    out = str(tmp_path / "cut" / "t.jsonl")
+    appends = []
+
+    class HalfWrite(io.FileIO):  # what a disk with room for half a row does
+        def write(self, data):
+            return super().write(data[:len(data) // 2])
+
+    def full_disk_open(path, mode="r", *a, **kw):
+        if mode == "ab" and str(path).startswith(str(tmp_path / "cut")):
+            appends.append(path)
+            if len(appends) == 2:
+                return HalfWrite(path, "ab")
+        return open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(ex, "open", full_disk_open, raising=False)
+    assert ex.cli(distill.main, argv + ["--out", out]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "distill.py: error: no space left on device"
+    for path in (out, out.replace(".jsonl", ".rejected.jsonl")):
+        text = open(path).read() if os.path.exists(path) else ""
+        assert text.endswith("\n") or not text  # whole rows only
+    assert sum(len(open(p).read().splitlines()) for p in (out, out.replace(".jsonl", ".rejected.jsonl"))
+               if os.path.exists(p)) == 1
+    monkeypatch.delattr(ex, "open")
+    assert ex.cli(distill.main, argv + ["--out", out]) == 0
+    for name in ("t.jsonl", "t.rejected.jsonl"):
+        a, b = (os.path.join(os.path.dirname(p), name) for p in (whole, out))
+        assert (open(a).read() if os.path.exists(a) else "") == (open(b).read() if os.path.exists(b) else "")
