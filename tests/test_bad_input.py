@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -19,6 +20,8 @@ import grpo
 import sft
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "data"))  # (compare.py)
 
 PROBLEMS = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 TRAJ = [{"problem": f"Compute {i} + {i}.",
@@ -902,3 +905,92 @@ def test_a_full_disk_in_distill_leaves_no_torn_row_and_the_resume_gives_the_same
     for name in ("t.jsonl", "t.rejected.jsonl"):
         a, b = (os.path.join(os.path.dirname(p), name) for p in (whole, out))
         assert (open(a).read() if os.path.exists(a) else "") == (open(b).read() if os.path.exists(b) else "")
+
+
+# -----------------------------------------------------------------------------
+# 14) an evaluation's folder: its --data spelt two ways, --plot, samples of mixed k, compare.py
+
+
+EVAL_FLAGS = ["--k", "1", "--max-new-tokens", "2", "--exec-workers", "1"]
+
+
+@pytest.fixture
+def evaluation(tiny_dir, files, tmp_path):
+    """An evaluation of the 3 problems at k = 1 in tmp_path/e (the working folder is tmp_path)."""
+    out = str(tmp_path / "e")
+    assert ex.cli(ev.main, ["--model", tiny_dir, "--data", files["problems"], "--out", out, *EVAL_FLAGS]) == 0
+    return out
+
+
+def test_the_same_data_file_spelt_relative_resumes_B27(evaluation, tiny_dir, files, capsys):
+    """in/p.jsonl (relative to the working folder) is the --data of the run that was given
+    its absolute path: the rerun resumes ("3 samples already"), not refused as another --data."""
+    capsys.readouterr()
+    assert ex.cli(ev.main, ["--model", tiny_dir, "--data", "in/p.jsonl", "--out", evaluation, *EVAL_FLAGS]) == 0
+    assert f"3 samples already in {evaluation}" in capsys.readouterr().out
+
+
+def test_plot_of_a_good_and_a_bad_folder_writes_nothing_B26(evaluation, files, tmp_path, capsys):
+    before = _tree(tmp_path)
+    assert ex.cli(ev.main, ["--plot", evaluation, files["dir"]]) == 2
+    assert capsys.readouterr().err == (f"evaluate.py: error: {files['dir']}: neither metrics.jsonl (a grpo.py run) nor "
+                                       "samples.jsonl (an evaluation)\n")
+    assert _tree(tmp_path) == before  # (diagnostics.png of the good one was written first)
+
+
+def test_samples_of_mixed_k_are_refused_B35(evaluation, tmp_path, capsys):
+    """samples.jsonl with q0 drawn twice (sample_idx 0, 1) and q1, q2 once: avg@k over
+    unlike k; `--from-samples` and compare.py refuse it in one line."""
+    import compare
+    path = os.path.join(evaluation, "samples.jsonl")
+    rows = ev.load_samples(path)
+    _jsonl(tmp_path / "e" / "samples.jsonl", rows + [dict(rows[0], sample_idx=1)])
+    before = _tree(tmp_path)
+    assert ex.cli(ev.main, ["--from-samples", evaluation]) == 2
+    msg = f"{path}: problem ('p', 'q1') has samples [0], the first problem 0..1: samples of runs with another --k mixed?"
+    assert capsys.readouterr().err == f"evaluate.py: error: {msg}\n"
+    assert ex.cli(compare.main, [path]) == 2
+    assert capsys.readouterr().err == f"compare.py: error: {msg}\n"
+    assert ex.cli(compare.main, ["--budgets", "1,2", path]) == 2
+    assert capsys.readouterr().err == f"compare.py: error: {msg}\n"
+    assert _tree(tmp_path) == before
+
+
+def test_compare_on_a_file_that_is_not_whole_gzip_is_one_line_B28(evaluation, tmp_path, capsys):
+    import gzip
+
+    import compare
+    data = open(os.path.join(evaluation, "samples.jsonl"), "rb").read()
+    (tmp_path / "plain.jsonl.gz").write_bytes(data)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(data)[:-20])
+    for name, why in (("plain", "Not a gzipped file (b'{\"')"),
+                      ("cut", "Compressed file ended before the end-of-stream marker was reached")):
+        assert ex.cli(compare.main, [str(tmp_path / f"{name}.jsonl.gz")]) == 2
+        assert capsys.readouterr().err == f"compare.py: error: {tmp_path}/{name}.jsonl.gz: not a whole gzip file ({why})\n"
+
+
+def _samples_cli(folder, env=None, **kw):
+    """`python evaluate.py --from-samples folder --show 3` in a child process."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--from-samples", folder, "--show", "3"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stderr=subprocess.PIPE,
+                          text=True, timeout=300, **kw)
+
+
+def test_a_closed_pipe_and_an_ascii_terminal_are_no_traceback_B36(evaluation, tmp_path):
+    """`... | head` (the reader gone: here the pipe's read end is closed before the child
+    starts, so its first print meets EPIPE) ends in one line, exit 1; a terminal that takes
+    only ASCII (PYTHONIOENCODING=ascii, as LANG=C) shows a completion's `é` escaped (tests/faults.md
+    B37): both were a traceback."""
+    rows = ev.load_samples(os.path.join(evaluation, "samples.jsonl"))
+    _jsonl(tmp_path / "e" / "samples.jsonl", [dict(rows[0], completion="caf\u00e9 \u2211")] + rows[1:])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = _samples_cli(evaluation, stdout=write)
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and r.stderr.splitlines() == \
+        ["evaluate.py: error: the output pipe was closed (e.g. by head): stopped"], r.stderr[-2000:]
+    r = _samples_cli(evaluation, env={"PYTHONIOENCODING": "ascii"}, stdout=subprocess.PIPE)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "caf\\xe9 \\u2211" in r.stdout
