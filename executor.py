@@ -1832,7 +1832,7 @@ def unlock_runs() -> None:
 
 def _as_paths(value):
     """A flag's value with each string naming an existing file or folder as its real path:
-    `data/p.jsonl` and `/work/data/p.jsonl` are the same --data (tests/faults.md B25)."""
+    `data/p.jsonl` and `/work/data/p.jsonl` are the same --data (tests/faults.md B27)."""
     if isinstance(value, list):
         return [_as_paths(v) for v in value]
     return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
@@ -1955,7 +1955,8 @@ def read_problems(path: str) -> list:
             try:
                 json.dumps(value, allow_nan=False)
             except ValueError:
-                raise InputError(f"{where}: field {key!r}: NaN or an infinity is not JSON (write it as a string)") from None
+                raise InputError(f"{where}: field {key!r}: NaN or an infinity is not JSON (write it as a "
+                                 "string)") from None
         pid = f"{stem}-{lineno}" if row.get("id") is None else row["id"]
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")

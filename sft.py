@@ -78,7 +78,8 @@ def print0(*a, **kw):
 
 
 def cleanup_distributed():
-    """Destroy the process group if one was created."""
+    """Destroy the process group if one was created; release the run's --out (the run ends)."""
+    executor.unlock_runs()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -526,7 +527,9 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         InputError (one line naming the path): --out fails `executor.check_out` (its inputs:
             --model, --data, --drop-solved); --resume is not a checkpoint of this stage
             (no trainer state, or another stage's), or its args.json differs in one of
-            `same` (what decides the run's data and loss); or --out already holds a run
+            `same` (what decides the run's data and loss), or its trainer state is cut, or a
+            log in --out has a bad line (tests/faults.md B20); --out is a live run's (locked,
+            B16); or --out already holds a run
             (one of `run_files`) and no --resume was given: a fresh run there would
             overwrite its checkpoints and repeat its steps in the logs (the message names
             the newest checkpoint to resume from).
@@ -536,8 +539,6 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
                        [os.path.join(out, f) for f in ("args.json", *run_files)])
     if os.path.isdir(out):  # a live run there holds it (tests/faults.md B16)
         executor.lock_run(out)
-    for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before args.json is written
-        executor.read_jsonl_tolerant(log)
     if resume:
         if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
             print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
@@ -550,6 +551,8 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
             raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
                                       f"its weights with --model {resume}")
         executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
+        for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before any write
+            executor.read_jsonl_tolerant(log)
         for state in glob.glob(os.path.join(glob.escape(resume), "trainer_state_rank*.pt")):
             try:  # (torch.save writes a zip: a cut file has no central directory at its end)
                 zipfile.ZipFile(state).close()
