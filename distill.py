@@ -223,7 +223,7 @@ def main(argv=None):
     # 2) teacher and sandbox (not loaded when this rank has nothing left to sample)
     if left:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
-        rows, plan = memory_plan(model.config, model.dtype.itemsize, args.batch_size * k, args.max_context,
+        max_rows, plan = memory_plan(model.config, model.dtype.itemsize, args.batch_size * k, args.max_context,
                                  args.kv_cache_gb, model.num_parameters() * model.dtype.itemsize / 2 ** 30, device)
         print0(plan)  # rows at once: a batch's, or fewer so that their KV cache fits (tests/faults.md D12)
         # prompts are measured before any forward: one with no room for a token under
@@ -248,7 +248,7 @@ def main(argv=None):
                 continue
             # 3) rollout: one call per batch, no collective (ranks run at their own pace)
             samples = ex.rollout(model, tokenizer, [prompt_ids[i] for i, _ in batch], sandbox, n=k,
-                                 seed=args.seed * 1_000_003 + batch[0][0], max_num_seqs=rows,
+                                 seed=args.seed * 1_000_003 + batch[0][0], max_num_seqs=max_rows,
                                  **{a: getattr(args, a) for a in ex.ROLLOUT_ARGS})
             # 4) filter; only samples not written before (a kill may split a batch's writes)
             rows = [{**ex.sample_record(p, samples[i * k + j]), "sample_idx": j}
