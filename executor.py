@@ -1586,25 +1586,39 @@ def _enter_new_root():
     read-only tmpfs holding only what `python -u block.py` needs, bound read-only, nosuid and
     nodev at the same paths: /usr, /bin, /sbin, /lib*, the loader's and the time zone's files
     of /etc (and a passwd and group naming only root and nobody), the interpreter's
-    prefixes and its sys.path folders (never one holding this file's folder: the project,
-    run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
+    prefixes and its sys.path folders (the project, which is this file's real folder, and
+    the caller's working folder are covered by an empty tmpfs where a bound folder holds
+    them: run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
     random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
     own. Only binds of those folders, not of the mounts below them: no host mount is
     remounted, so one hidden under another (shadowed) cannot make this fail. Raises OSError."""
     _libc("unshare", _NEWNS)
     _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
-    here = os.path.dirname(os.path.abspath(__file__))
     asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              *filter(None, sys.path)]
     links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
     real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
-    real = [p for i, p in enumerate(real) if not any(p.startswith(q + "/") for q in real[:i])
-            and not (here + "/").startswith(p + "/")]
+    # the project (this file's folder) and the caller's working folder, real paths: where they lie
+    # inside a bound folder (a project under /usr/src, a venv holding the checkout), an empty
+    # tmpfs covers them there (tests/faults.md S36); a folder a system path lies in is never hidden
+    hidden = {os.path.realpath(os.path.dirname(os.path.abspath(__file__))), os.path.realpath(os.getcwd())}
+    hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
+    masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
+
+    def under(p, q):  # p is q or inside it
+        return (p + "/").startswith(q + "/")
+    # a folder inside a bound one is bound with it, unless a mask lies between them
+    real = [p for p in real if not any(under(p, q) and p != q and not any(under(p, m) and under(m, q) for m in masks)
+                                       for q in real)]
     devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
-    sources = {p: os.open(p, os.O_PATH) for p in real + devices}  # (opened before the tmpfs hides /tmp)
+    sources = {p: os.open(p, os.O_PATH) for p in sorted(real + masks) + devices}  # (before the tmpfs hides /tmp)
     _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
-    for p, fd in sources.items():
+    for p, fd in sources.items():  # parents before children: a mask, then what is bound inside it
         new = f"/tmp{p}"
+        if p in masks:
+            _mount(b"tmpfs", new.encode(), b"tmpfs", _NOSUID | _NODEV, b"mode=755")
+            os.close(fd)
+            continue
         os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
         if not os.path.exists(new):
             os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
@@ -1622,6 +1636,8 @@ def _enter_new_root():
                        ("group", "root:x:0:\nnogroup:x:65534:\n")):
         with open(f"/tmp/etc/{name}", "w") as f:
             f.write(text)
+    for m in masks:  # (written to while what lies inside was bound)
+        _mount(None, f"/tmp{m}".encode(), None, _REMOUNT | _RDONLY | _NOSUID | _NODEV)
     os.chdir("/tmp")
     if os.uname().machine in _PIVOT_ROOT:  # pivot_root(".", "."), then the old root leaves this namespace
         _libc("syscall", _PIVOT_ROOT[os.uname().machine], b".", b".")
@@ -2588,7 +2604,8 @@ def cli(main, argv=None, interrupted=None) -> int:
     `stage.py: error: ...` for bad input (InputError, or a path that cannot be read or
     written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
     with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
-    line when the reader of stdout has gone (`... | head`). Only rank 0 prints: under
+    line when the reader of stdout has gone (`... | head`), and for a sandbox that cannot
+    start or contain its blocks (SandboxError, tests/faults.md S37). Only rank 0 prints: under
     torchrun every rank fails the same way and the line shows once. Text a terminal cannot
     show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
     for stream in (sys.stdout, sys.stderr):
@@ -2606,10 +2623,13 @@ def cli(main, argv=None, interrupted=None) -> int:
         # (torch.save on a full disk: "unexpected pos", "iostream error" or "file write failed")
         full = getattr(e, "errno", None) == errno.ENOSPC or \
             re.search("No space left|unexpected pos|iostream error|file write failed", str(e))
-        if not (full or isinstance(e, InputError) or isinstance(e, OSError) and e.filename):
+        if not (full or isinstance(e, (InputError, SandboxError)) or isinstance(e, OSError) and e.filename):
             raise
-        code, message = (1, "error: no space left on device") if full else (
-            2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
+        if isinstance(e, SandboxError):  # the machine, not the input: its first line (the template's own last)
+            code, message = 1, f"error: {str(e).strip().splitlines()[0]} ({str(e).strip().splitlines()[-1]})"
+        else:
+            code, message = (1, "error: no space left on device") if full else (
+                2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
     finally:
         unlock_runs()
     if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)

@@ -1032,6 +1032,53 @@ def test_a_venv_under_the_system_tmp_stays_usable_but_not_the_project_around_it(
     assert open(probe).read() == "VALUE = 42\n"
 
 
+@pytest.mark.timeout(240)
+def test_a_project_inside_a_bound_folder_is_covered_there_S36(tmp_path):
+    """A project under /usr/src (a common container layout), imported by its real path or
+    through a symlink: its data and run folders were readable from a block (the symlinked
+    path was not recognised as the project, so /usr was bound whole), or the template died
+    (/usr left out of the block's root: no /bin/bash, no stdlib). Now /usr is bound and an
+    empty tmpfs covers the project there: a block that walks /usr/src for the answer finds
+    nothing, sees an empty project folder, and numpy still imports."""
+    if os.geteuid() != 0:
+        pytest.skip("containment (a root of its own) is root-only")
+    project = f"/usr/src/thinc-s36-{os.getpid()}"
+    try:
+        os.makedirs(f"{project}/data")
+        os.makedirs(f"{project}/runs/r")
+        shutil.copy(os.path.join(ROOT, "executor.py"), project)
+        with open(f"{project}/data/p.jsonl", "w") as f:
+            f.write('{"id": "p1", "problem": "6*7?", "answer": "SECRET_S36_4242"}\n')
+        with open(f"{project}/runs/r/args.json", "w") as f:
+            f.write('{"data": "data/p.jsonl"}\n')
+        os.symlink(project, tmp_path / "app")
+        search = ("import os, numpy\nfound = [os.path.join(r, f) for r, _, fs in os.walk('/usr/src') for f in fs\n"
+                  "         if b'SECRET_S36' in open(os.path.join(r, f), 'rb').read()]\n"
+                  f"print(found, os.listdir({project!r}), int(numpy.int64(6) * 7))")
+        code = ("import executor\nwith executor.Sandbox(timeout=60) as sb:\n"
+                f"    r = sb.run({search!r})\n    print(sb.contained, r.status, r.output.strip())\n")
+        for cwd, env in ((project, {}), (str(tmp_path), {"PYTHONPATH": str(tmp_path / "app")})):
+            p = subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                               text=True, timeout=200)
+            assert p.stdout == "True ok [] [] 42\n", (cwd, p.stdout + p.stderr[-3000:])
+    finally:
+        shutil.rmtree(project, ignore_errors=True)
+
+
+def test_a_sandbox_that_cannot_start_is_one_line_S37(capsys):
+    """A SandboxError (a template that died, containment refused) ended a stage in a
+    traceback; now one line with its first and last lines (the cause), exit 1."""
+    def main(argv):
+        raise ex.SandboxError("sandbox template failed to start with 'python': Traceback (most recent call last):\n"
+                              "  File \"<string>\", line 5\nFileNotFoundError: [Errno 2] No such file: '/bin/bash'\n")
+
+    main.__module__ = "executor"
+    assert ex.cli(main, []) == 1
+    assert capsys.readouterr().err == ("executor.py: error: sandbox template failed to start with 'python': Traceback "
+                                       "(most recent call last): (FileNotFoundError: [Errno 2] No such file: "
+                                       "'/bin/bash')\n")
+
+
 @pytest.mark.timeout(60)
 def test_worker_count_follows_cpu_affinity(tmpdir_for_blocks):
     code = ("import os, executor\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
