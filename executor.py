@@ -69,7 +69,12 @@ Departures from the paper (it does not describe its executor):
          namespaces, ptrace;
        - in stateful mode, spawn and forkserver children import only the current
          block's file (definitions of earlier blocks are missing there);
-       - a caller killed by SIGKILL leaves its cgroups behind (empty `thinc_*` folders).
+       - a caller killed by SIGKILL or SIGTERM (torchrun's stop) leaves its cgroups behind
+         (empty `thinc_*` folders);
+       - code that starts more than MAX_BLOCK_PROCS (64) tasks is stopped as a fork bomb,
+         `multiprocessing.Pool()` on a host with more CPUs included (os.cpu_count() is the
+         host's); a block's root and mounts show in its /proc/self/mountinfo, and the
+         host-wide /proc files (meminfo, loadavg) are readable.
      Run jobs with a model that may be adversarial in a container.
 """
 import argparse

@@ -14,7 +14,7 @@ that answer scores. With --families, the right samples per problem family and ea
 family's constant-answer baseline.
 
     python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
-    python data/compare.py --budgets 384,512,768,1024,1536 runs/recipe/budget/samples.jsonl
+    python data/compare.py --budgets 768,1024,1536,2048 data/recipe/budget.samples.jsonl.gz
 
 With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
 a sample finishes within B model tokens iff it ended by EOS after at most B (sampling is

@@ -340,3 +340,16 @@ def test_from_samples_cli(tmp_path, capsys):
     table = (tmp_path / "metrics.md").read_text()
     assert table == ev.markdown_table(ev.summarize(rows))
     assert table.strip() in capsys.readouterr().out
+
+
+def test_the_budget_warning_names_every_budget_flag(tmp_path, capsys):
+    """Both samples of a benchmark ended on --max-new-tokens ('length'): the warning named
+    only --max-context and --max-tool-calls, never the flag that ended them."""
+    row = {"id": "p1", "problem": "q", "benchmark": "b", "answer": "6", "pred": None, "correct": False,
+           "sample_idx": 0, "finish_reason": "length", "completion": "", "blocks": [], "n_code_blocks": 0,
+           "n_exec_errors": 0, "completion_tokens": 8, "model_tokens": 8, "plan_tokens": 0}
+    rows = [row, dict(row, id="p2")]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev.write_report(str(tmp_path), {})
+    assert capsys.readouterr().err == ("WARNING: b: 100% of samples ended on a budget (length 100%, tool_budget 0%): "
+                                       "raise --max-new-tokens / --max-context / --max-tool-calls\n")
