@@ -160,6 +160,12 @@ def main(argv=None) -> None:
         if not 0 < args.max_gain <= 100:
             p.error(f"--max-gain must be in (0, 100] points, got {args.max_gain}")
         rows = load(args.samples[0])
+        # a sample cut by the budget it was drawn at ran that many model tokens: a larger
+        # budget's finish rate is unknown, not the same (what was cut might have finished)
+        drawn = max((r["model_tokens"] for r in rows if r["finish_reason"] == "length"), default=None)
+        if drawn is not None and max(args.budgets) > drawn:
+            raise ex.InputError(f"{args.samples[0]}: sampled at {drawn} model tokens (its samples cut by the "
+                                f"budget ran that many): --budgets {max(args.budgets)} is beyond it")
         rates = {b: finish_rate(rows, b) for b in sorted(args.budgets)}
         for b, rate in rates.items():
             print(f"budget {b}: {pct(rate)}% of {len(rows)} samples finished")

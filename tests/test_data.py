@@ -286,6 +286,9 @@ def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_
     err = capsys.readouterr().err
     assert err.endswith("budget.jsonl: no budget of [200, 400] whose double (also listed) finishes "
                         "fewer than 3.0 points more of the samples\n") and err.count("\n") == 1
+    assert ex.cli(compare.main, ["--budgets", "1000,4000", str(path)]) == 2  # drawn at 2,000 (the cut sample's)
+    assert capsys.readouterr().err.endswith("budget.jsonl: sampled at 2000 model tokens (its samples cut by the "
+                                            "budget ran that many): --budgets 4000 is beyond it\n")
     with pytest.raises(SystemExit):
         compare.main(["--budgets", "200,400", str(path), str(path)])  # one file only
     assert "--budgets reads one samples file, got 2" in capsys.readouterr().err
