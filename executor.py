@@ -47,8 +47,11 @@ Departures from the paper (it does not describe its executor):
        v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
        tasks of all the block's processes together, memfds, page cache and threads too.
      not covered (this is the one list of it):
-       - what a block's root holds (the interpreter's prefixes and sys.path folders whole:
-         a package's files, a venv's bin/); flock and inotify on those shared files, and
+       - what a block's root holds (/usr, /lib*, the interpreter's prefixes and sys.path
+         folders whole: a package's files, a venv's bin/): data, run folders or models the
+         caller keeps inside those trees (say /usr/share or a venv) are readable, and the
+         project and working folder are hidden by path only (not a hard link to their
+         files, nor a bind mount of them elsewhere); keep them outside; flock and inotify on those shared files, and
          nobody's per-user limits (inotify instances), shared by concurrent blocks (a
          channel between them); mounts below a bound folder show as empty
          folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
@@ -1606,8 +1609,11 @@ def _enter_new_root():
     # the project (this file's folder) and the caller's working folder, real paths: where they lie
     # inside a bound folder (a project under /usr/src, a venv holding the checkout), an empty
     # tmpfs covers them there (tests/faults.md S36); a folder a system path lies in is never hidden
-    hidden = {os.path.realpath(os.path.dirname(os.path.abspath(__file__))), os.path.realpath(os.getcwd())}
+    hidden = {os.path.realpath(os.path.dirname(os.path.abspath(__file__)))}
+    with contextlib.suppress(OSError):  # (a working folder deleted under the caller: nothing to hide)
+        hidden.add(os.path.realpath(os.getcwd()))
     hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
+    real = [p for p in real if p not in hidden]  # the project as a sys.path folder (pip install -e): not bound
     masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
 
     def under(p, q):  # p is q or inside it

@@ -1065,6 +1065,47 @@ def test_a_project_inside_a_bound_folder_is_covered_there_S36(tmp_path):
         shutil.rmtree(project, ignore_errors=True)
 
 
+@pytest.mark.timeout(240)
+def test_a_project_that_is_a_sys_path_folder_is_not_bound_S36(tmp_path):
+    """`pip install -e .` puts the project folder itself on sys.path (a .pth file): it was
+    bound whole into the block's root, data and all. Now a folder that is the project (or
+    the working folder) is never bound: the block finds neither its data nor its folder."""
+    if os.geteuid() != 0:
+        pytest.skip("containment (a root of its own) is root-only")
+    project = tmp_path / "proj"
+    (project / "data").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "executor.py"), project)
+    (project / "data" / "p.jsonl").write_text('{"id": "p1", "problem": "6*7?", "answer": "SECRET_S36_PTH"}\n')
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(tmp_path / "venv")],
+                   check=True, timeout=50)
+    site = glob.glob(str(tmp_path / "venv/lib/python*/site-packages"))[0]
+    with open(f"{site}/__editable__.thinc_s36.pth", "w") as f:
+        f.write(f"{project}\n")
+    probe = f"import os\nprint(os.path.exists({str(project)!r}), os.path.exists({str(project / 'data/p.jsonl')!r}))"
+    code = ("import executor\nwith executor.Sandbox(timeout=30) as sb:\n"
+            f"    r = sb.run({probe!r})\n    print(sb.contained, r.status, r.output.strip())\n")
+    p = subprocess.run([str(tmp_path / "venv/bin/python"), "-c", code], cwd="/", capture_output=True, text=True,
+                       timeout=200)
+    assert p.stdout == "True ok False False\n", p.stdout + p.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_working_folder_still_gives_contained_blocks_S38(tmp_path):
+    """A caller whose working folder was deleted: os.getcwd() failed while the root was built,
+    the template gave up containment, and with THINC_ALLOW_UNCONTAINED=1 blocks ran as root
+    (otherwise a SandboxError). Now the folder is simply not there to hide."""
+    if os.geteuid() != 0:
+        pytest.skip("containment is root-only")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport executor\nos.chdir({str(gone)!r})\n"
+            f"os.rmdir({str(gone)!r})\nwith executor.Sandbox(timeout=10) as sb:\n"
+            "    print(sb.contained, sb.run('import os; print(os.getuid())').output.strip())\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd="/", env={**os.environ, "THINC_ALLOW_UNCONTAINED": "1"},
+                       capture_output=True, text=True, timeout=100)
+    assert p.stdout == "True 65534\n", p.stdout + p.stderr[-3000:]
+
+
 def test_a_sandbox_that_cannot_start_is_one_line_S37(capsys):
     """A SandboxError (a template that died, containment refused) ended a stage in a
     traceback; now one line with its first and last lines (the cause), exit 1."""
