@@ -507,7 +507,8 @@ def write_report(out_dir: str, args_dict: dict) -> None:
         length, tools = (m["finish_reasons"].get(x, 0.0) for x in ("length", "tool_budget"))
         if length + tools > 0.5:
             print(f"WARNING: {bench}: {length + tools:.0%} of samples ended on a budget (length {length:.0%}, "
-                  f"tool_budget {tools:.0%}): raise --max-new-tokens / --max-context / --max-tool-calls", file=sys.stderr, flush=True)
+                  f"tool_budget {tools:.0%}): raise --max-new-tokens / --max-context / --max-tool-calls",
+                  file=sys.stderr, flush=True)
 
 
 # -----------------------------------------------------------------------------

@@ -2208,7 +2208,8 @@ def check_out(folder: str, stage: str, inputs=(), outputs=()) -> None:
             raise InputError(f"--out {folder} is inside the checkpoint {above}: give another --out")
     root = os.path.realpath(folder) + os.sep
     for i in filter(None, inputs):  # an output, or a model folder inside --out (checkpoints there rotate)
-        if (real := os.path.realpath(i)) in map(os.path.realpath, outputs) or os.path.isdir(i) and real.startswith(root):
+        real = os.path.realpath(i)
+        if real in map(os.path.realpath, outputs) or os.path.isdir(i) and real.startswith(root):
             raise InputError(f"--out {folder}: the run would write {i}, which is its input: give another --out")
 
 
@@ -2480,7 +2481,8 @@ def format_trajectory(record: dict, width: int = 80) -> str:
     # what the model wrote after its last output block; with no block run, all after the plan
     tail = "".join(seg.text for seg in segs[outs[-1] + 1 if blocks and outs else start:])
     rule = "-" * width
-    lines = ["=" * width, f"problem {record.get('id', '')}: {record['problem']}", rule, "plan:", plan.strip() or "(none)"]
+    lines = ["=" * width, f"problem {record.get('id', '')}: {record['problem']}", rule, "plan:",
+             plan.strip() or "(none)"]
     for i, b in enumerate(blocks, 1):
         lines += [rule, f"block {i} ({b['status']}):", b["code"].rstrip(), f"output {i}:", b["output"].rstrip()]
     lines += [rule, "after the last output:" if blocks else "after the plan:", tail.strip() or "(nothing)", rule]
