@@ -500,6 +500,21 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     return rows
 
 
+class _Row:
+    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
+    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
+
+    def __init__(self, prompt_ids, max_context):
+        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
+        # ids[read:] are not in text yet, ids[ctx:read] their context
+        self.prompt_len = self.ctx = self.read = len(prompt_ids)
+        # the current segment's (after the last output block) decoded text; where each model token starts in it
+        self.text, self.starts = "", []
+        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
+        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
+        self.code = self.running = None  # the block being run; the sandbox's future for it
+
+
 def shared_prefix_len(prompts, min_len: int = 16) -> int:
     """Tokens at the start of every prompt that `rollout` prefills once for the whole batch:
     their longest common prefix, minus at least one token so that every prompt still feeds
@@ -1367,21 +1382,6 @@ class Sandbox(contextlib.AbstractContextManager):
 
 # -----------------------------------------------------------------------------
 # KV cache: the slab and the engine's batched forward
-
-class _Row:
-    """Per-sample decoding state (plain data; the loop in `rollout` drives it). Roles are
-    not tracked: a token's logprob is NaN exactly at prompt and output tokens (`_to_sample`)."""
-
-    def __init__(self, prompt_ids, max_context):
-        self.ids, self.logprobs = list(prompt_ids), [math.nan] * len(prompt_ids)
-        # ids[read:] are not in text yet, ids[ctx:read] their context
-        self.prompt_len = self.ctx = self.read = len(prompt_ids)
-        # the current segment's (after the last output block) decoded text; where each model token starts in it
-        self.text, self.starts = "", []
-        self.blocks, self.n_model = [], 0  # executed blocks (`Sample.blocks`); sampled tokens
-        self.finish = "length" if len(prompt_ids) >= max_context else None  # finish reason
-        self.code = self.running = None  # the block being run; the sandbox's future for it
-
 
 def _kv_cache(model, max_len: int | None = None):
     """A transformers DynamicCache whose full-attention layers keep their keys and values
