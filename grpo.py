@@ -125,9 +125,12 @@ def collect_rollouts(policy, tokenizer, problems, sandbox, *, group_size: int, s
 
 
 def sync_policy(model, policy):
-    """Copy the trained weights into the rollout copy (casting to its dtype). Every rank
-    calls it: under FSDP it gathers one parameter at a time, cast to the rollout dtype first
-    (a collective, outside the sampler): never the whole fp32 model on every GPU."""
+    """Copy the trained weights into the rollout copy (casting to its dtype); nothing when the
+    sampler runs the trained module itself. Every rank calls it: under FSDP it gathers one
+    parameter at a time, cast to the rollout dtype first (a collective, outside the sampler):
+    never the whole fp32 model on every GPU."""
+    if policy is sft.unwrap_model(model):
+        return
     target = dict(policy.named_parameters())
     with torch.no_grad():
         for name, p in sft.unwrap_model(model).named_parameters():
@@ -695,11 +698,12 @@ def parse_args(argv=None):
 # Training loop
 
 
-def main(argv=None, reward_fn=None):
-    """Run GRPO from the command line. `reward_fn` (samples, problems) -> floats replaces
-    --reward when called from Python (tests)."""
-    args = parse_args(argv)
-    reward_fn = reward_fn or (load_reward(args.reward) if args.reward is not None else answer_reward)
+def setup_run(args):
+    """Everything before the loop, each check before the run's first write (bad input
+    changes no file): ranks, the run folder, the problems (--drop-solved, --max-context), the
+    trained model, its rollout copy (the trained module itself when it can be shared) and
+    AdamW, and with --resume the trainer state. Returns (proc, model, policy, tokenizer,
+    optimizer, stream, step: the last step done)."""
     # a step's first collective waits for the slowest rank's rollouts (hours at 32K tokens and
     # 40 blocks) or rank 0's save: far past NCCL's default 10 minutes (tests/faults.md D5)
     rank, _, world, device = sft.setup_distributed(args.seed, timeout=datetime.timedelta(hours=args.dist_timeout))
@@ -761,7 +765,7 @@ def main(argv=None, reward_fn=None):
     model = sft.wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     policy = sft.unwrap_model(model) if share else policy
     optimizer = sft.make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
-    step, skipped = 0, 0
+    step = 0
     if args.resume:
         state = sft.load_trainer_state(args.resume, optimizer,
                                        logs=[os.path.join(args.out, f) for f in ("metrics.jsonl", "pass_rates.jsonl")])
@@ -769,17 +773,26 @@ def main(argv=None, reward_fn=None):
         stream.load_state_dict(state["data"])
         for group in optimizer.param_groups:  # the flags given now apply, as --help says
             group["lr"], group["weight_decay"] = args.lr, args.weight_decay
+    return proc, model, policy, tokenizer, optimizer, stream, step
 
-    # 3) the loop; rank 0 shows a bar per phase and keeps its last step's samples for the summary
-    show_bars, latest, samples = rank == 0 and not args.no_progress, os.path.join(args.out, "latest"), []
+
+def main(argv=None, reward_fn=None):
+    """Run GRPO from the command line. `reward_fn` (samples, problems) -> floats replaces
+    --reward when called from Python (tests)."""
+    args = parse_args(argv)
+    reward_fn = reward_fn or (load_reward(args.reward) if args.reward is not None else answer_reward)
+    proc, model, policy, tokenizer, optimizer, stream, step = setup_run(args)
+
+    # the loop; rank 0 shows a bar per phase and keeps its last step's samples for the summary
+    rank, skipped, samples = proc.rank, 0, []
+    show_bars, latest = rank == 0 and not args.no_progress, os.path.join(args.out, "latest")
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = executor.progress_bar(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
     say = bar.write if show_bars else lambda text: None  # (tqdm's write keeps a terminal's bars whole)
     with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
-            if not share:
-                sync_policy(model, policy)
+            sync_policy(model, policy)
             batch = stream.next(args.prompts_per_step)
             metrics, records, samples = grpo_step(model, policy, tokenizer, optimizer, sandbox, batch, args, proc, step,
                                                   reward_fn=reward_fn, show_progress=show_bars)
