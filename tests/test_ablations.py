@@ -518,3 +518,20 @@ def test_tir_prompt_through_distill_and_sft_L30_L32(tokenizer, tmp_path, monkeyp
     outputs = ids[roles == ex.ROLE_OUTPUT].tolist()
     block = ex.encode_text(tokenizer, "```output\n4\n```\n")
     assert outputs in (block * 2, (ex.encode_text(tokenizer, "\n```output\n4\n```\n")) * 2)
+
+
+def test_one_step_reads_in_at_most_800_code_lines():
+    """The walk of one GRPO step (tests/benchmarks/walk.list: every definition a default step
+    enters from grpo.py main, down to executor.py's Internals line, Sandbox.run read as its
+    interface) stays within 800 code lines, and every name in the list still exists (a
+    renamed definition fails here, not silently)."""
+    spec = importlib.util.spec_from_file_location("walk", os.path.join(HERE, "benchmarks", "walk.py"))
+    walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(walk)
+    rows = walk.walk()
+    read = [r for r in rows if walk.WAYS["to the line"](r)]
+    assert {r[2] for r in rows} >= {"main", "grpo_step", "rollout", "policy_loss", "update_policy", "Sandbox.run"}
+    assert sum(r[3] for r in read) <= 800
+    # the line is where executor.py says: the KV-cache slab below it, rollout above it
+    below = {r[2] for r in rows if r[5]}
+    assert "_slab_layer_class" in below and "rollout" not in below and "_Row" not in below
