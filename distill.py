@@ -25,7 +25,8 @@ A problem whose prompt leaves no room under --max-context is skipped (and counte
 prefilled.
 
     python distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
-    torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl --out runs/distill/traj.jsonl
+    torchrun --standalone --nproc_per_node=8 distill.py --teacher Qwen3-32B/ --data data.jsonl \
+        --out runs/distill/traj.jsonl
 
 Departures from the paper:
   1. A fifth rule, 'unfinished': finish_reason must be 'stop' (EOS), so text cut at a budget

@@ -43,9 +43,10 @@ Departures from the paper (it does not describe its executor):
        SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
        services (a network namespace), kernel keys, user namespaces, setns and ptrace (a
        seccomp filter, on x86_64 and aarch64); out of memory, the kernel kills a block
-       before the caller (oom_score_adj 1000); at most 4096 open files a process; where cgroups may be made (root, cgroup
-       v1, or v2 with memory and pids delegated to the caller's cgroup): the memory and
-       tasks of all the block's processes together, memfds, page cache and threads too.
+       before the caller (oom_score_adj 1000); at most 4096 open files a process; where
+       cgroups may be made (root, cgroup v1, or v2 with memory and pids delegated to the
+       caller's cgroup): the memory and tasks of all the block's processes together,
+       memfds, page cache and threads too.
      not covered (this is the one list of it):
        - what a block's root holds (/usr, /lib*, the interpreter's prefixes and sys.path
          folders whole: a package's files, a venv's bin/): data, run folders or models the
