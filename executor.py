@@ -12,12 +12,14 @@ cache (no re-prefill of the history).
 Reads: a model directory (or .gguf file) and problems. Writes: trajectories in memory
 (`Sample`), turned into JSONL rows by the stages (`sample_record`).
 
-Reading order: the file reads top down as the method runs. First the contract (the prompts,
-the token roles, `Sample`, `split_completion`: what a trajectory is), then `rollout` and its
-helpers in the order it calls them, then sampling, then grading, then `Sandbox.run` (a block
-in, an `ExecResult` out). Below the line marked "Internals" is what a reader of the method
-does not need: the KV-cache slab, the sandbox's fork server and namespaces, model loading,
-files, progress bars and the command line.
+Reading order: after this docstring (the sandbox's coverage below is for later), top down
+as the method runs. First the contract (the prompts, the token roles, `Sample`,
+`split_completion`: what a trajectory is), then `rollout` and its helpers in the order it
+calls them, then sampling, then grading (multiple choice and the Math-Verify helper process
+can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the rest of the class can
+wait). Below the line marked "Internals" is what a reader of the method does not need: the
+KV-cache slab, the sandbox's fork server and namespaces, model loading, files, progress bars
+and the command line.
 
     python executor.py block.py          # run a file through the sandbox, print what a model sees
     python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
@@ -307,7 +309,7 @@ def split_completion(text: str, outputs=None) -> list:
                 if not outs or not text.startswith(f"```output\n{outs[0]}\n```", m.start()):
                     raise ValueError(f"output block not found in the completion: {text[m.start():][:80]!r}")
                 body = outs.pop(0)
-                end = m.start() + len(body) + 14
+                end = m.start() + len(f"```output\n{body}\n```")
                 end += text.startswith("\n", end)
         if start > pos:
             segs.append(Segment("prose", text[pos:start], text[pos:start]))
@@ -419,9 +421,11 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
         cache.batch_repeat_interleave(len(slots))
         mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
-        # rows that sample from `logits`; the next sample to place; (prompt, row) of the last one
-        # placed; (row, row to copy from, prompt) of each placed now; a prompt's last logits
-        need, nxt, src, placed, first = [], 0, None, [], {}
+        need = []  # need[b]: batch row b samples from logits[b] (it was fed something)
+        nxt = 0  # the next sample to place
+        src = None  # (prompt, batch row) of the sample placed last: its siblings reuse that row's KV rows
+        placed = []  # (batch row, batch row to copy from, prompt) of each sample placed this round
+        prompt_logits = {}  # prompt -> (V,) logits after its last token: every sample's first draw
 
         while True:
             # 2) sample for every row that was fed something, and check its stops; a row
@@ -485,7 +489,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
                 if real < mask.shape[1] and width > min(max_context, real + real // 4):
                     mask = _compact(cache, mask)
-                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)  # (B, V), (B, S + L)
             # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
             #    and its mask up to the prompt's end, and samples its first token from the logits
             #    the prompt's first sample got from its prefill (kept while the prompt has samples)
@@ -493,9 +497,9 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
                 for layer in [x for x in cache.layers if x.is_initialized]:
                     layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
                 mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
-                logits[dst] = first.setdefault(p, logits[dst].clone())
+                logits[dst] = prompt_logits.setdefault(p, logits[dst].clone())
             need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
-            placed, first = [], {p: v for p, v in first.items() if p == src[0]}
+            placed, prompt_logits = [], {p: v for p, v in prompt_logits.items() if p == src[0]}
     if own_bar:
         progress.close()
     return rows

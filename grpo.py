@@ -26,9 +26,10 @@ signal `has_signal`, which samples enter the loss `in_loss`, the loss `policy_lo
 the whole micro-batch; `update_policy` logs every metric it returns), its normaliser
 `loss_normalizer` (README "Forking for an ablation").
 
-Reading order: rollouts, rewards and group advantages, the loss, batching, the update,
-one GRPO step; then bookkeeping (metrics), the prompt stream, the end-of-run summary, the
-command line and the training loop.
+Reading order for one step: `main` (the loop, at the end of the file), `grpo_step`, then
+what it calls, laid out above it in the order it runs: rollouts, rewards and group
+advantages, the loss, batching, the update; then bookkeeping (metrics), the prompt stream,
+the end-of-run summary, the command line, `setup_run`.
 
 Reads: --model (HF dir) or --resume DIR; problems JSONL {"id", "problem", "answer"}.
 Writes under --out: latest/ (HF model dir + trainer_state_rank{r}.pt:
@@ -288,7 +289,9 @@ def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tens
     """
     mask = batch["loss_mask"].to(logprobs.device).bool()  # (B, T)
     assert logprobs.shape == old_logprobs.shape == mask.shape and batch["advantages"].shape[:1] == logprobs.shape[:1]
-    old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs).detach()  # (B, T), NaN-free
+    # (B, T), NaN-free and detached: given logprobs itself (update_policy's first mini-batch) the
+    # ratio is exactly 1 and the gradient that of A * logprob
+    old = torch.where(mask, old_logprobs.to(logprobs.dtype), logprobs).detach()
     log_ratio = (logprobs - old).clamp(-20.0, 20.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = batch["advantages"].to(logprobs).reshape(len(logprobs), -1)  # (B, 1), broadcast over T on purpose, or (B, T)
@@ -439,8 +442,9 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
             progress.update()
         grad_norm += sft.optimizer_step(model, optimizer, grad_clip)
     progress.close()
+    # optimizer_steps: the mini-batches with a loss token, one skipped for a non-finite norm included
     return {"sums": {k: float(sum(s[k].double() for s in sums)) for k in (sorted(sums[0]) if sums else [])},
-            "grad_norm": grad_norm, "optimizer_steps": sum(t > 0 for t in tokens)}  # the steps not skipped
+            "grad_norm": grad_norm, "optimizer_steps": sum(t > 0 for t in tokens)}
 
 
 # -----------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class LogprobModel(nn.Module):
         first = min(max(start, 1), T - 1) if T > 1 else 1  # position 0 predicts nothing
         zero = torch.zeros(B, first, device=hidden.device)
         chunks = [(zero, zero)]  # (logprobs, entropies) of columns [0, first), then of each chunk
-        for s in range(first - 1, T - 1, chunk_size):
+        for s in range(first - 1, T - 1, chunk_size):  # hidden[:, s] predicts token s + 1: column `first` starts it
             e = min(s + chunk_size, T - 1)
             h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
             # recompute the chunk's (B, C, V) logits in backward instead of keeping them
