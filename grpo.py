@@ -100,7 +100,7 @@ def mix_seed(*xs) -> int:
 
 
 # the flags grpo_step passes to collect_rollouts
-ROLLOUT_ARGS = ("group_size", "stateful", "max_num_seqs", "temperature", "top_p", "max_context", "max_new_tokens",
+COLLECT_ARGS = ("group_size", "stateful", "max_num_seqs", "temperature", "top_p", "max_context", "max_new_tokens",
                 "max_tool_calls")
 
 
@@ -478,7 +478,7 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc
     seed = mix_seed(args.seed, step, proc.rank, 0)  # (the trailing 0 keeps the seeds of earlier versions' runs)
     rollout_bar = executor.RolloutProgress(len(problems) * G, f"step {step} rollout", not show_progress)
     samples, t_exec = collect_rollouts(policy, tokenizer, problems, sandbox, seed=seed, progress=rollout_bar,
-                                       rollout_fn=rollout_fn, **{k: getattr(args, k) for k in ROLLOUT_ARGS})
+                                       rollout_fn=rollout_fn, **{k: getattr(args, k) for k in COLLECT_ARGS})
     rollout_bar.close()
     # 2) rewards -> advantages; a group whose advantages are all 0 carries no signal and is dropped
     rewards = batch_rewards(reward_fn or answer_reward, samples, [problems[i // G] for i in range(len(samples))],
