@@ -23,7 +23,9 @@
 # and distill.py skip what they wrote, grpo.py and sft.py continue from their newest checkpoint).
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
 # Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
-# part 1.
+# part 1. PARTS="math500_start gsm8k_start" runs only the parts named (the others are left as they
+# are): two such processes with disjoint lists over the same R run independent parts side by side
+# (a part's inputs must be done, or come earlier in its own list).
 # Usage, from the project root after set-up command 1 and the teacher's install (README):
 #   bash data/recipe.sh
 set -euo pipefail
@@ -53,6 +55,7 @@ PUBLIC_N=${PUBLIC_N:-100}
 MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
+PARTS=${PARTS:-}                     # empty: every part
 mkdir -p "$R" "$OUT"
 touch "$R/done.txt"
 if [ ! -s "$R/times.tsv" ] && [ -f "$OUT/times.tsv" ]; then cp "$OUT/times.tsv" "$R/times.tsv"; fi
@@ -83,6 +86,10 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     if grep -qx "$name" "$R/done.txt" || restored "$name"; then
         grep -qx "$name" "$R/done.txt" || echo "$name" >> "$R/done.txt"
         echo "== $name: done before"
+        return
+    fi
+    if [ -n "$PARTS" ] && [[ " $PARTS " != *" $name "* ]]; then
+        echo "== $name: not in PARTS"
         return
     fi
     printf '%s\tstart\t%s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$COMMIT" >> "$R/times.tsv"
@@ -166,16 +173,18 @@ evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
         --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" --seed 0 --out "$R/$2_$1"
 }
 
-export_files() {  # gzip -n: the same samples give the same bytes
-    local d
+export_files() {  # gzip -n: the same samples give the same bytes; only finished parts (another
+    local d       # process's part in flight, or a killed one, holds a partial samples file)
     for d in "$R"/budget "$R"/heldout_* "$R"/math500_* "$R"/gsm8k_*; do
-        if [ -f "$d/samples.jsonl" ]; then gzip -9 -n -c "$d/samples.jsonl" > "$OUT/$(basename "$d").samples.jsonl.gz"; fi
+        if [ -f "$d/samples.jsonl" ] && grep -qx "$(basename "$d")" "$R/done.txt"; then
+            gzip -9 -n -c "$d/samples.jsonl" > "$OUT/$(basename "$d").samples.jsonl.gz"
+        fi
     done
     for d in grpo sft_grpo control; do
         if [ -f "$R/$d/metrics.jsonl" ]; then cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; fi
     done
     if [ -f "$R/sft/log.jsonl" ]; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
-    if [ -f "$R/distill/traj.summary.json" ]; then
+    if [ -f "$R/distill/traj.summary.json" ] && grep -qx distill "$R/done.txt"; then
         cp "$R/distill/traj.summary.json" "$OUT/distill.summary.json"
         gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"
         gzip -9 -n -c "$R/distill/traj.rejected.jsonl" > "$OUT/distill.rejected.jsonl.gz"

@@ -395,3 +395,26 @@ def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     assert times[3].startswith("heldout_grpo\tstart\t") and times[3].split("\t")[3].startswith(commit.strip())
     assert times[4].startswith("heldout_grpo\tend\t") and len(times) == 5
+
+
+@pytest.mark.timeout(60)
+def test_recipe_script_runs_only_its_parts_and_exports_only_finished_ones(tmp_path):
+    """Two recipe processes over one runs/ folder: this one has PARTS="heldout_start" (done), so
+    it runs nothing else, however much is left; heldout_grpo's samples file is another
+    process's part in flight (not in done.txt): it is not exported, nor is the distillation
+    that has a summary but no end. Before, every samples file in runs/ was exported."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    for name in ("heldout_start", "heldout_grpo"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3 if "grpo" in name
+                                                                                           else 4]))
+    (runs / "distill").mkdir()
+    (runs / "distill" / "traj.summary.json").write_text("{}")
+    (runs / "done.txt").write_text("heldout_start\n")
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_start"}
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "== heldout_start: done before" in run.stdout
+    assert run.stdout.count("not in PARTS") == 13  # distill, sft, grpo, sft_grpo, control, 4 public, 4 held out
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_start.samples.jsonl.gz", "tables.md", "times.tsv"]
