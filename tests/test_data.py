@@ -402,7 +402,7 @@ def test_recipe_script_runs_only_its_parts_and_exports_only_finished_ones(tmp_pa
     """Two recipe processes over one runs/ folder: this one has PARTS="heldout_start" (done), so
     it runs nothing else, however much is left; heldout_grpo's samples file is another
     process's part in flight (not in done.txt): it is not exported, nor is the distillation
-    that has a summary but no end. Before, every samples file in runs/ was exported."""
+    that has a summary but no end (tests/faults.md P3). Before, every samples file in runs/ was exported."""
     runs, out = tmp_path / "runs", tmp_path / "out"
     rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
     for name in ("heldout_start", "heldout_grpo"):
