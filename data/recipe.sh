@@ -24,8 +24,9 @@
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
 # Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
 # part 1. PARTS="math500_start gsm8k_start" runs only the parts named (the others are left as they
-# are): two such processes with disjoint lists over the same R run independent parts side by side
-# (a part's inputs must be done, or come earlier in its own list).
+# are): two such processes with disjoint lists over the same R run parts side by side, e.g. the
+# training parts in one (PARTS="distill sft grpo sft_grpo control") and the evaluations in the
+# other; a part whose input another process makes waits until that part is in done.txt.
 # Usage, from the project root after set-up command 1 and the teacher's install (README):
 #   bash data/recipe.sh
 set -euo pipefail
@@ -56,6 +57,7 @@ MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
 PARTS=${PARTS:-}                     # empty: every part
+POLL=${POLL:-60}                     # seconds between looks at done.txt while a part waits
 mkdir -p "$R" "$OUT"
 touch "$R/done.txt"
 if [ ! -s "$R/times.tsv" ] && [ -f "$OUT/times.tsv" ]; then cp "$OUT/times.tsv" "$R/times.tsv"; fi
@@ -92,6 +94,12 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
         echo "== $name: not in PARTS"
         return
     fi
+    local need
+    need=$(needs "$name")
+    if [ -n "$PARTS" ] && [ -n "$need" ] && ! grep -qx "$need" "$R/done.txt"; then
+        echo "== $name: waiting for $need (another process's part)"
+        until grep -qx "$need" "$R/done.txt"; do sleep "$POLL"; done
+    fi
     printf '%s\tstart\t%s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$COMMIT" >> "$R/times.tsv"
     echo "== $name: $(date -u +%FT%TZ) on $COMMIT"
     local t0=$SECONDS
@@ -99,6 +107,15 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     printf '%s\tend\t%s\t%s s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" "$COMMIT" >> "$R/times.tsv"
     echo "$name" >> "$R/done.txt"
     export_files  # what is done so far is in data/recipe/, should a later part fail
+}
+
+needs() {  # the part whose product part NAME reads (none for the start model's)
+    case $1 in
+        budget|distill|grpo|control|*_start) ;;
+        sft) echo distill ;;
+        sft_grpo) echo sft ;;
+        heldout_*|math500_*|gsm8k_*) echo "${1#*_}" ;;
+    esac
 }
 
 policy() {  # the model directory (or packaged name) of a row

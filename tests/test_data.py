@@ -418,3 +418,37 @@ def test_recipe_script_runs_only_its_parts_and_exports_only_finished_ones(tmp_pa
     assert "== heldout_start: done before" in run.stdout
     assert run.stdout.count("not in PARTS") == 13  # distill, sft, grpo, sft_grpo, control, 4 public, 4 held out
     assert sorted(p.name for p in out.iterdir()) == ["heldout_start.samples.jsonl.gz", "tables.md", "times.tsv"]
+
+
+@pytest.mark.timeout(60)
+def test_recipe_script_part_waits_for_its_input_from_another_process(tmp_path):
+    """PARTS="heldout_sft" while sft is not done (another process trains it): the evaluation
+    waits, saying so, and starts once sft is in done.txt (the test writes it when it reads the
+    wait line: no sleep decides the outcome); then it runs (a stand-in evaluate.py) and is
+    exported."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (runs / "done.txt").write_text("heldout_start\n")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/heldout_sft && "
+                                     f"cp {tmp_path}/samples.jsonl {runs}/heldout_sft/; exit 0; fi\n"
+                                     f"exec {sys.executable} \"$@\"\n")
+    (fake_bin / "python").chmod(0o755)
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_sft",
+           "POLL": "0.05", "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(["bash", "data/recipe.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("== heldout_sft: waiting for sft"):
+            assert not (runs / "heldout_sft").exists()
+            with open(runs / "done.txt", "a") as f:
+                f.write("sft\n")
+    assert proc.wait() == 0
+    assert any(line.startswith("== heldout_sft: waiting for sft") for line in lines)
+    assert any(line.startswith("== heldout_sft: 20") for line in lines)  # it ran, after the wait
+    assert (runs / "done.txt").read_text().splitlines() == ["heldout_start", "sft", "heldout_sft"]
+    assert (out / "heldout_sft.samples.jsonl.gz").exists()
