@@ -14,6 +14,7 @@
 #   7 control   5 again with each step's rewards permuted among its samples
 #               (data/permuted_reward.py; needs grpo.py's --reward), evaluated
 #   8 public    the PUBLIC policies on the first PUBLIC_N problems of math500_int and GSM8K test at B
+#               (the start model's right after part 2: it needs no training)
 #   9 export    samples (gzip), training metrics, the distillation summary and wall times into
 #               data/recipe/, then data/recipe/tables.md, computed from those files alone
 # A part whose name is in runs/recipe/done.txt is skipped, and so is one whose samples (or kept
@@ -268,7 +269,14 @@ echo "== B = $B model tokens"
 heldout() {
     part "heldout_$1" evaluate_on "$1" heldout data/exact_test.jsonl 0 "$K"
 }
+public() {  # the public slice of a PUBLIC row; the start model's comes first (it needs no training)
+    if [[ " $PUBLIC " == *" $1 "* ]]; then
+        part "math500_$1" evaluate_on "$1" math500 "$MATH500" "$PUBLIC_N" 1
+        part "gsm8k_$1" evaluate_on "$1" gsm8k "$GSM8K" "$PUBLIC_N" 1
+    fi
+}
 heldout start
+public start
 part distill distill
 part sft sft_run
 heldout sft
@@ -279,8 +287,7 @@ heldout sft_grpo
 part control control
 heldout control
 for row in $PUBLIC; do
-    part "math500_$row" evaluate_on "$row" math500 "$MATH500" "$PUBLIC_N" 1
-    part "gsm8k_$row" evaluate_on "$row" gsm8k "$GSM8K" "$PUBLIC_N" 1
+    if [ "$row" != start ]; then public "$row"; fi
 done
 
 # --- 9) the committed files and the tables -------------------------------------------
