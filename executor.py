@@ -48,17 +48,20 @@ Departures from the paper (it does not describe its executor):
        before the caller (oom_score_adj 1000); at most 4096 open files a process; where
        cgroups may be made (root, cgroup v1, or v2 with memory and pids delegated to the
        caller's cgroup): the memory and tasks of all the block's processes together,
-       memfds, page cache and threads too.
+       memfds, page cache, threads and swap too (swap where the kernel accounts it).
      not covered (this is the one list of it):
        - what a block's root holds (/usr, /lib*, the interpreter's prefixes and sys.path
          folders whole: a package's files, a venv's bin/): data, run folders or models the
          caller keeps inside those trees (say /usr/share or a venv) are readable, and the
          project and working folder are hidden by path only (not a hard link to their
-         files, nor a bind mount of them elsewhere); keep them outside; flock and inotify on those shared files, and
+         files, nor a bind mount of them elsewhere); keep them outside; flock and inotify
+         on those shared files, and
          nobody's per-user limits (inotify instances), shared by concurrent blocks (a
          channel between them); mounts below a bound folder show as empty
          folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
+       - with a cgroup on a host whose kernel does not account swap: pages a block's
+         memory limit pushes out to swap;
        - without a cgroup: memory of a block's processes together and memory a process
          does not map (memfds or /dev/shm files written with write(), pipe and socket
          buffers; RLIMIT_AS is per process and counts only mappings); processes and
@@ -1485,8 +1488,12 @@ def _compact(cache, mask):
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
 # limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
-_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1}, "pids": {"pids.max": "max"},
-                  "": {"memory.max": "max", "pids.max": "max"}}
+# a block cgroup's limit files, with their value when there is no limit; RAM first (v1 refuses a
+# memsw limit below it); the swap files exist only with the kernel's swap accounting
+_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1, "memory.memsw.limit_in_bytes": -1},
+                  "pids": {"pids.max": "max"},
+                  "": {"memory.max": "max", "memory.swap.max": "max", "pids.max": "max"}}
+_SWAP_LIMITS = ("memory.memsw.limit_in_bytes", "memory.swap.max")
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
 # audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
 # request_key, ptrace (a tracer keeps a traced zombie from being reaped: the block would never end)
@@ -1875,13 +1882,27 @@ def _make_cgroup(memory_mb) -> list:
                 continue  # (another controller, or no cgroup file system there)
             try:
                 os.mkdir(d)
-                for name, none in _CGROUP_LIMITS[ctrls].items():  # (pids: a hard stop, should a bomb outrun the count)
+                for name, none in _CGROUP_LIMITS[ctrls].items():
+                    if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
+                        continue  # no swap accounting: nothing to limit, or nothing the kernel can
                     with open(f"{d}/{name}", "w") as limit:
-                        limit.write(str(2 * MAX_BLOCK_PROCS if name == "pids.max" else memory_mb << 20 or none))
+                        limit.write(str(_cgroup_limit(name, memory_mb, none)))
                 dirs.append(d)
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])
     return dirs
+
+
+def _cgroup_limit(name, memory_mb, none):
+    """The value of a block cgroup's limit file: pids a hard stop above the count (should a
+    bomb outrun it); memory `memory_mb` MiB of RAM and swap together (v1's memsw limit equals
+    the RAM limit, v2's swap limit is 0: on a host with swap a block would otherwise push the
+    rest of its pages there, tests/faults.md S39); `none` without memory_mb."""
+    if name == "pids.max":
+        return 2 * MAX_BLOCK_PROCS
+    if not memory_mb:
+        return none
+    return 0 if name == "memory.swap.max" else memory_mb << 20
 
 
 def _remove_cgroup(dirs):

@@ -1442,6 +1442,27 @@ def test_s22_memfd_pages_count_against_the_memory_limit_where_cgroups_exist(tmpd
         assert (r.status, r.output) == ("ok", "500 MiB written\n")
 
 
+@pytest.mark.timeout(60)
+def test_s39_the_memory_limit_holds_swap_too(tmpdir_for_blocks):
+    """A block cgroup limits RAM and swap together (tests/faults.md S39): v1's memsw limit is the
+    RAM limit, v2's swap limit 0, wherever the kernel accounts swap. Before, a host with swap let a
+    block's pages past memory_mb go to swap (S22's 500 MiB of memfds were written, status ok).
+    Where no cgroup can be made, or swap is not accounted, the test has nothing to check: skipped."""
+    with Sandbox(workers=1, timeout=10, memory_mb=400) as box:
+        assert box.run("print(1)").output == "1\n"
+        files = {}
+        for d in [d for g in getattr(box, "_cgroups", []) for d in g]:
+            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.max", "memory.swap.max"):
+                if os.path.exists(f"{d}/{name}"):
+                    files[name] = open(f"{d}/{name}").read().strip()
+    if not {"memory.memsw.limit_in_bytes", "memory.swap.max"} & set(files):
+        pytest.skip("no block cgroup with swap accounting on this machine")
+    if "memory.memsw.limit_in_bytes" in files:
+        assert files["memory.memsw.limit_in_bytes"] == files["memory.limit_in_bytes"] == str(400 << 20)
+    if "memory.swap.max" in files:
+        assert (files["memory.swap.max"], files["memory.max"]) == ("0", str(400 << 20))
+
+
 @pytest.mark.timeout(30)
 def test_s22_threads_count_towards_the_fork_bomb_limit(sb):
     r = sb.run("import threading, time\nfor _ in range(200):\n"
