@@ -60,8 +60,8 @@ Departures from the paper (it does not describe its executor):
          channel between them); mounts below a bound folder show as empty
          folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
-       - with a cgroup on a host whose kernel does not account swap: pages a block's
-         memory limit pushes out to swap;
+       - with a cgroup on a host whose kernel does not account swap (or refuses the swap
+         limit): pages a block's memory limit pushes out to swap;
        - without a cgroup: memory of a block's processes together and memory a process
          does not map (memfds or /dev/shm files written with write(), pipe and socket
          buffers; RLIMIT_AS is per process and counts only mappings); processes and
@@ -1885,8 +1885,10 @@ def _make_cgroup(memory_mb) -> list:
                 for name, none in _CGROUP_LIMITS[ctrls].items():
                     if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
                         continue  # no swap accounting: nothing to limit, or nothing the kernel can
-                    with open(f"{d}/{name}", "w") as limit:
-                        limit.write(str(_cgroup_limit(name, memory_mb, none)))
+                    # a refused swap limit leaves the RAM limit in place, never the cgroup dropped
+                    with contextlib.suppress(OSError) if name in _SWAP_LIMITS else contextlib.nullcontext():
+                        with open(f"{d}/{name}", "w") as limit:
+                            limit.write(str(_cgroup_limit(name, memory_mb, none)))
                 dirs.append(d)
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])

@@ -59,8 +59,22 @@ GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
 PARTS=${PARTS:-}                     # empty: every part
 POLL=${POLL:-60}                     # seconds between looks at done.txt while a part waits
+ALL_PARTS="budget heldout_start math500_start gsm8k_start distill sft heldout_sft grpo heldout_grpo sft_grpo
+heldout_sft_grpo control heldout_control math500_sft_grpo gsm8k_sft_grpo"
+for p in $PARTS; do  # a typo would run nothing and end with status 0
+    if [[ " $(echo $ALL_PARTS) " != *" $p "* ]]; then
+        echo "PARTS: no part '$p' (parts: $(echo $ALL_PARTS))" >&2
+        exit 2
+    fi
+done
 mkdir -p "$R" "$OUT"
 touch "$R/done.txt"
+if [ -n "$PARTS" ]; then  # what this process will run, readable by the other while this one lives
+    exec 8> "$R/parts.$$"
+    echo "$PARTS" >&8
+    flock 8  # released when this process ends, however it ends
+    trap 'rm -f "$R/parts.$$"' EXIT
+fi
 if [ ! -s "$R/times.tsv" ] && [ -f "$OUT/times.tsv" ]; then cp "$OUT/times.tsv" "$R/times.tsv"; fi
 touch "$R/times.tsv"
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -99,7 +113,18 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     need=$(needs "$name")
     if [ -n "$PARTS" ] && [ -n "$need" ] && ! grep -qx "$need" "$R/done.txt"; then
         echo "== $name: waiting for $need (another process's part)"
-        until grep -qx "$need" "$R/done.txt"; do sleep "$POLL"; done
+        until grep -qx "$need" "$R/done.txt"; do
+            if ! made_by_a_live_process "$need"; then
+                echo "$name needs $need, which is not done and no running recipe process has in PARTS" >&2
+                exit 1
+            fi
+            sleep "$POLL"
+        done
+    fi
+    exec 9> "$R/lock.$name"
+    if ! flock -n 9; then  # the same part named in two processes
+        echo "$name is running in another recipe process" >&2
+        exit 1
     fi
     printf '%s\tstart\t%s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$COMMIT" >> "$R/times.tsv"
     echo "== $name: $(date -u +%FT%TZ) on $COMMIT"
@@ -107,7 +132,17 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     "$@"
     printf '%s\tend\t%s\t%s s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" "$COMMIT" >> "$R/times.tsv"
     echo "$name" >> "$R/done.txt"
+    exec 9>&-  # the part's lock
     export_files  # what is done so far is in data/recipe/, should a later part fail
+}
+
+made_by_a_live_process() {  # made_by_a_live_process NAME: a process that is alive (its PARTS file locked) runs NAME
+    local f
+    for f in "$R"/parts.*; do
+        [ -f "$f" ] || continue
+        if ! flock -n "$f" true && [[ " $(cat "$f") " == *" $1 "* ]]; then return 0; fi
+    done
+    return 1
 }
 
 needs() {  # the part whose product part NAME reads (none for the start model's)
@@ -199,9 +234,11 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
         fi
     done
     for d in grpo sft_grpo control; do
-        if [ -f "$R/$d/metrics.jsonl" ]; then cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; fi
+        if [ -f "$R/$d/metrics.jsonl" ] && grep -qx "$d" "$R/done.txt"; then
+            cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"
+        fi
     done
-    if [ -f "$R/sft/log.jsonl" ]; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
+    if [ -f "$R/sft/log.jsonl" ] && grep -qx sft "$R/done.txt"; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
     if [ -f "$R/distill/traj.summary.json" ] && grep -qx distill "$R/done.txt"; then
         cp "$R/distill/traj.summary.json" "$OUT/distill.summary.json"
         gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"
@@ -224,10 +261,12 @@ tables() {  # only from the committed files: anyone can recompute them without a
             echo
             python data/compare.py --budgets "$BUDGETS" --max-gain "$MAX_GAIN" "$OUT/budget.samples.jsonl.gz"
         fi
-        echo
-        echo "## Held out (data/exact_test.jsonl, k = $K); gains over the start model"
-        echo
-        python data/compare.py --families "${rows[@]}"
+        if [ ${#rows[@]} -gt 0 ]; then
+            echo
+            echo "## Held out (data/exact_test.jsonl, k = $K); gains over the start model"
+            echo
+            python data/compare.py --families "${rows[@]}"
+        fi
         local pair
         for pair in "grpo control" "grpo sft_grpo"; do
             set -- $pair
@@ -262,6 +301,10 @@ else
     [ -f "$R/budget.txt" ] || python data/compare.py --budgets "$BUDGETS" --max-gain "$MAX_GAIN" \
         "$R/budget/samples.jsonl" | tail -n 1 > "$R/budget.txt"
     B=$(cat "$R/budget.txt")
+fi
+if ! [[ "$B" =~ ^[1-9][0-9]*$ ]]; then
+    echo "no budget B ('$B' in $R/budget.txt): part 1 did not finish; remove the file and rerun" >&2
+    exit 1
 fi
 echo "== B = $B model tokens"
 

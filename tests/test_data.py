@@ -420,35 +420,86 @@ def test_recipe_script_runs_only_its_parts_and_exports_only_finished_ones(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["heldout_start.samples.jsonl.gz", "tables.md", "times.tsv"]
 
 
+def hold_lock(path, text=None):
+    """A stand-in for another recipe process: `flock` holds `path` (its PARTS file, or a part's
+    lock) until killed; returns once the lock is taken (it prints a line then: no sleep)."""
+    if text is not None:
+        path.write_text(text)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys\nf = open(sys.argv[1], 'a')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\nsys.stdin.read()", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    return holder
+
+
+def stand_in_python(tmp_path, runs, part):
+    """A `python` earlier on PATH whose evaluate.py copies prepared samples into runs/PART."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/{part} && "
+                                     f"cp {tmp_path}/samples.jsonl {runs}/{part}/; exit 0; fi\n"
+                                     f"exec {sys.executable} \"$@\"\n")
+    (fake_bin / "python").chmod(0o755)
+    return f"{fake_bin}:{os.environ['PATH']}"
+
+
 @pytest.mark.timeout(60)
 def test_recipe_script_part_waits_for_its_input_from_another_process(tmp_path):
-    """PARTS="heldout_sft" while sft is not done (another process trains it): the evaluation
-    waits, saying so, and starts once sft is in done.txt (the test writes it when it reads the
-    wait line: no sleep decides the outcome); then it runs (a stand-in evaluate.py) and is
-    exported."""
+    """PARTS="heldout_sft" while sft is not done and a live process (its PARTS file locked) has
+    sft in its PARTS: the evaluation waits, saying so, and starts once sft is in done.txt (the
+    test writes it when it reads the wait line: no sleep decides the outcome); then it runs (a
+    stand-in evaluate.py) and is exported."""
     runs, out = tmp_path / "runs", tmp_path / "out"
     runs.mkdir()
     rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (runs / "done.txt").write_text("heldout_start\n")
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/heldout_sft && "
-                                     f"cp {tmp_path}/samples.jsonl {runs}/heldout_sft/; exit 0; fi\n"
-                                     f"exec {sys.executable} \"$@\"\n")
-    (fake_bin / "python").chmod(0o755)
+    trainer = hold_lock(runs / "parts.1", "distill sft grpo")
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_sft",
-           "POLL": "0.05", "PATH": f"{fake_bin}:{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", "data/recipe.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line.rstrip("\n"))
-        if line.startswith("== heldout_sft: waiting for sft"):
-            assert not (runs / "heldout_sft").exists()
-            with open(runs / "done.txt", "a") as f:
-                f.write("sft\n")
-    assert proc.wait() == 0
+           "POLL": "0.05", "PATH": stand_in_python(tmp_path, runs, "heldout_sft")}
+    try:
+        proc = subprocess.Popen(["bash", "data/recipe.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("== heldout_sft: waiting for sft"):
+                assert not (runs / "heldout_sft").exists()
+                with open(runs / "done.txt", "a") as f:
+                    f.write("sft\n")
+        assert proc.wait() == 0
+    finally:
+        trainer.kill()
     assert any(line.startswith("== heldout_sft: waiting for sft") for line in lines)
     assert any(line.startswith("== heldout_sft: 20") for line in lines)  # it ran, after the wait
     assert (runs / "done.txt").read_text().splitlines() == ["heldout_start", "sft", "heldout_sft"]
     assert (out / "heldout_sft.samples.jsonl.gz").exists()
+
+
+@pytest.mark.timeout(60)
+def test_recipe_script_refuses_what_would_wait_forever_or_run_twice(tmp_path):
+    """A part whose input no live process will make (its process failed, was killed, or never
+    named it) ends the run with an error instead of waiting forever; a part another process is
+    running is not run again beside it; a PARTS word that names no part is an error, not a
+    silent run of nothing (tests/faults.md P4)."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    (runs / "done.txt").write_text("heldout_start\n")
+    (runs / "parts.1").write_text("sft")  # a dead process's PARTS file: nobody holds its lock
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "POLL": "0.05",
+           "PATH": stand_in_python(tmp_path, runs, "math500_start")}
+
+    def recipe(parts):
+        return subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env={**env, "PARTS": parts}, capture_output=True,
+                              text=True, timeout=50)
+
+    run = recipe("heldout_sft")
+    assert run.returncode == 1 and "heldout_sft needs sft, which is not done and no running recipe process" in run.stderr
+    other = hold_lock(runs / "lock.math500_start")
+    try:
+        run = recipe("math500_start")
+    finally:
+        other.kill()
+    assert run.returncode == 1 and "math500_start is running in another recipe process" in run.stderr
+    assert not (runs / "math500_start").exists()
+    run = recipe("heldout_sft_gpro")
+    assert run.returncode == 2 and "PARTS: no part 'heldout_sft_gpro'" in run.stderr

@@ -1463,6 +1463,38 @@ def test_s39_the_memory_limit_holds_swap_too(tmpdir_for_blocks):
         assert (files["memory.swap.max"], files["memory.max"]) == ("0", str(400 << 20))
 
 
+def test_s39_a_refused_swap_limit_keeps_the_ram_limit(monkeypatch):
+    """Where the kernel refuses the swap limit (an OSError writing it), the block cgroup keeps its
+    RAM limit; before, the error removed the whole memory cgroup (no memory limit at all)."""
+    import builtins
+    real_open = builtins.open
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path).endswith(("memory.memsw.limit_in_bytes", "memory.swap.max")) and "w" in (args or ("r",))[0]:
+            raise OSError(22, "Invalid argument", path)
+        return real_open(path, *args, **kwargs)
+
+    def memory_dirs(dirs):
+        return [d for d in dirs if os.path.exists(f"{d}/memory.limit_in_bytes") or os.path.exists(f"{d}/memory.max")]
+
+    plain = ex._make_cgroup(400)
+    can_make = bool(memory_dirs(plain))
+    ex._remove_cgroup(plain)
+    if not can_make:
+        pytest.skip("no memory cgroup can be made here")
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    dirs = ex._make_cgroup(400)
+    monkeypatch.setattr(builtins, "open", real_open)
+    try:
+        memory = memory_dirs(dirs)
+        assert memory, "the refused swap limit dropped the memory cgroup"
+        limit = f"{memory[0]}/memory.limit_in_bytes"
+        limit = limit if os.path.exists(limit) else f"{memory[0]}/memory.max"
+        assert open(limit).read().strip() == str(400 << 20)
+    finally:
+        ex._remove_cgroup(dirs)
+
+
 @pytest.mark.timeout(30)
 def test_s22_threads_count_towards_the_fork_bomb_limit(sb):
     r = sb.run("import threading, time\nfor _ in range(200):\n"
