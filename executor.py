@@ -1487,9 +1487,8 @@ def _compact(cache, mask):
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
-# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none"
-# a block cgroup's limit files, with their value when there is no limit; RAM first (v1 refuses a
-# memsw limit below it); the swap files exist only with the kernel's swap accounting
+# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none";
+# RAM before swap (v1 refuses a memsw limit below the RAM one); the swap files exist only with swap accounting
 _CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1, "memory.memsw.limit_in_bytes": -1},
                   "pids": {"pids.max": "max"},
                   "": {"memory.max": "max", "memory.swap.max": "max", "pids.max": "max"}}
@@ -1885,10 +1884,12 @@ def _make_cgroup(memory_mb) -> list:
                 for name, none in _CGROUP_LIMITS[ctrls].items():
                     if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
                         continue  # no swap accounting: nothing to limit, or nothing the kernel can
-                    # a refused swap limit leaves the RAM limit in place, never the cgroup dropped
-                    with contextlib.suppress(OSError) if name in _SWAP_LIMITS else contextlib.nullcontext():
+                    try:
                         with open(f"{d}/{name}", "w") as limit:
                             limit.write(str(_cgroup_limit(name, memory_mb, none)))
+                    except OSError:  # a refused swap limit keeps the RAM limit; any other drops the cgroup
+                        if name not in _SWAP_LIMITS:
+                            raise
                 dirs.append(d)
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])

@@ -100,8 +100,8 @@ restored() {  # restored NAME: the part's product is committed in data/recipe/; 
 part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     local name=$1
     shift
-    if grep -qx "$name" "$R/done.txt" || restored "$name"; then
-        grep -qx "$name" "$R/done.txt" || echo "$name" >> "$R/done.txt"
+    if is_done "$name" || restored "$name"; then
+        is_done "$name" || echo "$name" >> "$R/done.txt"
         echo "== $name: done before"
         return
     fi
@@ -111,9 +111,9 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     fi
     local need
     need=$(needs "$name")
-    if [ -n "$PARTS" ] && [ -n "$need" ] && ! grep -qx "$need" "$R/done.txt"; then
+    if [ -n "$PARTS" ] && [ -n "$need" ] && ! is_done "$need"; then
         echo "== $name: waiting for $need (another process's part)"
-        until grep -qx "$need" "$R/done.txt"; do
+        until is_done "$need"; do
             if ! made_by_a_live_process "$need"; then
                 echo "$name needs $need, which is not done and no running recipe process has in PARTS" >&2
                 exit 1
@@ -134,6 +134,10 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     echo "$name" >> "$R/done.txt"
     exec 9>&-  # the part's lock
     export_files  # what is done so far is in data/recipe/, should a later part fail
+}
+
+is_done() {  # is_done NAME: the part is in done.txt
+    grep -qx "$1" "$R/done.txt"
 }
 
 made_by_a_live_process() {  # made_by_a_live_process NAME: a process that is alive (its PARTS file locked) runs NAME
@@ -229,17 +233,17 @@ evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
 export_files() {  # gzip -n: the same samples give the same bytes; only finished parts (another
     local d       # process's part in flight, or a killed one, holds a partial samples file)
     for d in "$R"/budget "$R"/heldout_* "$R"/math500_* "$R"/gsm8k_*; do
-        if [ -f "$d/samples.jsonl" ] && grep -qx "$(basename "$d")" "$R/done.txt"; then
+        if [ -f "$d/samples.jsonl" ] && is_done "$(basename "$d")"; then
             gzip -9 -n -c "$d/samples.jsonl" > "$OUT/$(basename "$d").samples.jsonl.gz"
         fi
     done
     for d in grpo sft_grpo control; do
-        if [ -f "$R/$d/metrics.jsonl" ] && grep -qx "$d" "$R/done.txt"; then
+        if [ -f "$R/$d/metrics.jsonl" ] && is_done "$d"; then
             cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"
         fi
     done
-    if [ -f "$R/sft/log.jsonl" ] && grep -qx sft "$R/done.txt"; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
-    if [ -f "$R/distill/traj.summary.json" ] && grep -qx distill "$R/done.txt"; then
+    if [ -f "$R/sft/log.jsonl" ] && is_done sft; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
+    if [ -f "$R/distill/traj.summary.json" ] && is_done distill; then
         cp "$R/distill/traj.summary.json" "$OUT/distill.summary.json"
         gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"
         gzip -9 -n -c "$R/distill/traj.rejected.jsonl" > "$OUT/distill.rejected.jsonl.gz"
