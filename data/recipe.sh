@@ -25,9 +25,11 @@
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
 # Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
 # part 1. PARTS="math500_start gsm8k_start" runs only the parts named (the others are left as they
-# are): two such processes with disjoint lists over the same R run parts side by side, e.g. the
-# training parts in one (PARTS="distill sft grpo sft_grpo control") and the evaluations in the
-# other; a part whose input another process makes waits until that part is in done.txt.
+# are): two such processes with disjoint lists over the same R run parts side by side (RANKS=1
+# each), e.g. the training parts in one (PARTS="distill sft grpo sft_grpo control") and the
+# evaluations in the other; a part whose input another process makes waits until that part is
+# in done.txt. A trained model lives only in R: a part and the parts that read its model must
+# run on one machine (the committed files restore evaluations and the distillation, not models).
 # Usage, from the project root after set-up command 1 and the teacher's install (README):
 #   bash data/recipe.sh
 set -euo pipefail
@@ -37,6 +39,8 @@ BUDGETS=${BUDGETS:-768,1024,1536,2048}
 BUDGET_PROBLEMS=${BUDGET_PROBLEMS:-48}
 MAX_GAIN=${MAX_GAIN:-3}               # points (part 1's rule)
 K=${K:-1}                            # samples per held-out problem (k = 1: exact McNemar)
+RANKS=${RANKS:-2}                    # processes each stage runs as (torchrun), one a core; 1 for each of two
+                                     # recipe processes side by side. Evaluations: the same samples at any RANKS
 TOOLS=${TOOLS:-6}                    # executed blocks per sample, everywhere
 EVAL_BATCH=${EVAL_BATCH:-64}         # sequences decoding at once (fp32: changes no sample); 64 decodes fastest here
 BATCH_FLAG=${BATCH_FLAG:---max-num-seqs}         # evaluate.py: sequences decoding at once
@@ -149,6 +153,10 @@ made_by_a_live_process() {  # made_by_a_live_process NAME: a process that is ali
     return 1
 }
 
+launch() {  # launch SCRIPT ARGS...: the stage as RANKS processes on this machine
+    torchrun --standalone --nproc_per_node="$RANKS" "$@"
+}
+
 needs() {  # the part whose product part NAME reads (none for the start model's)
     case $1 in
         budget|distill|grpo|control|*_start) ;;
@@ -169,7 +177,7 @@ policy() {  # the model directory (or packaged name) of a row
 pick_budget() {  # samples at the largest budget, unless data/recipe/ holds them (part 1's evidence)
     local largest=${BUDGETS##*,}
     if [ ! -f "$R/budget/samples.jsonl" ]; then
-        python evaluate.py --model "$START" --data data/exact_train.jsonl --limit "$BUDGET_PROBLEMS" --k 1 \
+        launch evaluate.py --model "$START" --data data/exact_train.jsonl --limit "$BUDGET_PROBLEMS" --k 1 \
             "$BATCH_FLAG" "$EVAL_BATCH" --max-context $((largest + 1536)) --max-new-tokens "$largest" \
             --max-tool-calls "$TOOLS" --seed 0 --out "$R/budget"
     fi
@@ -194,7 +202,7 @@ sft_run() {
     else
         rm -rf "$R/sft"  # a run that saved no checkpoint: nothing to continue
     fi
-    python sft.py --model "$START" --data "$R/distill/traj.jsonl" --out "$R/sft" --global-batch "$SFT_BATCH" \
+    launch sft.py --model "$START" --data "$R/distill/traj.jsonl" --out "$R/sft" --global-batch "$SFT_BATCH" \
         --epochs "$SFT_EPOCHS" --save-every 8 --grad-checkpointing --chunk-size 256 --seed 0 "${resume[@]}"
     rm -rf "$R"/sft/step_*  # 6 GB each (weights and AdamW state); final/ has the same and more
 }
@@ -210,7 +218,7 @@ grpo_run() {  # grpo_run NAME MODEL [EXTRA FLAGS]
         rm -rf "$out"  # killed before its first checkpoint: nothing to continue
     fi
     # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6
-    torchrun --standalone --nproc_per_node=1 grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
+    launch grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
         --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$G" "$ROLLOUT_FLAG" "$ROLLOUT" --lr "$LR" \
         --temperature 0.8 --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" \
         --micro-batch 2 --chunk-size 256 --grad-checkpointing --save-every 1 --no-save-optimizer --seed 0 \
@@ -226,7 +234,7 @@ control() {
 }
 
 evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
-    python evaluate.py --model "$(policy "$1")" --data "$3" --limit "$4" --k "$5" "$BATCH_FLAG" "$EVAL_BATCH" \
+    launch evaluate.py --model "$(policy "$1")" --data "$3" --limit "$4" --k "$5" "$BATCH_FLAG" "$EVAL_BATCH" \
         --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" --seed 0 --out "$R/$2_$1"
 }
 

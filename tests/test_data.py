@@ -358,6 +358,17 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |" in tables
 
 
+def stand_in_torchrun(tmp_path, runs, part, samples=None):
+    """A `torchrun` earlier on PATH whose evaluate.py copies prepared samples (`samples`, else
+    tmp_path/samples.jsonl) into runs/PART; any other script fails."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text(f"#!/bin/sh\n[ \"$3\" = evaluate.py ] || exit 1\nmkdir -p {runs}/{part}\n"
+                                       f"cp {samples or tmp_path / 'samples.jsonl'} {runs}/{part}/samples.jsonl\n")
+    (fake_bin / "torchrun").chmod(0o755)
+    return f"{fake_bin}:{os.environ['PATH']}"
+
+
 def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
     """A new machine: runs/ is empty, data/recipe/ holds heldout_start's samples and an end line
     for it in times.tsv (heldout_grpo's samples too, but no end line: it was killed). The
@@ -377,13 +388,8 @@ def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
     runs.mkdir()
     (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
-    fake_bin = tmp_path / "bin"  # heldout_grpo is not restored: its evaluation runs, here a stand-in
-    fake_bin.mkdir()
-    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/heldout_grpo && "
-                                     f"cp {runs}/heldout_start/samples.jsonl {runs}/heldout_grpo/; exit 0; fi\n"
-                                     f"exec {sys.executable} \"$@\"\n")
-    (fake_bin / "python").chmod(0o755)
-    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    # heldout_grpo is not restored: its evaluation runs, here a stand-in
+    env["PATH"] = stand_in_torchrun(tmp_path, runs, "heldout_grpo", runs / "heldout_start/samples.jsonl")
     run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "== heldout_start: done before" in run.stdout and "== heldout_grpo: 20" in run.stdout
@@ -432,17 +438,6 @@ def hold_lock(path, text=None):
     return holder
 
 
-def stand_in_python(tmp_path, runs, part):
-    """A `python` earlier on PATH whose evaluate.py copies prepared samples into runs/PART."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "python").write_text(f"#!/bin/sh\nif [ \"$1\" = evaluate.py ]; then mkdir -p {runs}/{part} && "
-                                     f"cp {tmp_path}/samples.jsonl {runs}/{part}/; exit 0; fi\n"
-                                     f"exec {sys.executable} \"$@\"\n")
-    (fake_bin / "python").chmod(0o755)
-    return f"{fake_bin}:{os.environ['PATH']}"
-
-
 @pytest.mark.timeout(60)
 def test_recipe_script_part_waits_for_its_input_from_another_process(tmp_path):
     """PARTS="heldout_sft" while sft is not done and a live process (its PARTS file locked) has
@@ -456,7 +451,7 @@ def test_recipe_script_part_waits_for_its_input_from_another_process(tmp_path):
     (runs / "done.txt").write_text("heldout_start\n")
     trainer = hold_lock(runs / "parts.1", "distill sft grpo")
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_sft",
-           "POLL": "0.05", "PATH": stand_in_python(tmp_path, runs, "heldout_sft")}
+           "POLL": "0.05", "PATH": stand_in_torchrun(tmp_path, runs, "heldout_sft")}
     try:
         proc = subprocess.Popen(["bash", "data/recipe.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         lines = []
@@ -486,7 +481,7 @@ def test_recipe_script_refuses_what_would_wait_forever_or_run_twice(tmp_path):
     (runs / "done.txt").write_text("heldout_start\n")
     (runs / "parts.1").write_text("sft")  # a dead process's PARTS file: nobody holds its lock
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "POLL": "0.05",
-           "PATH": stand_in_python(tmp_path, runs, "math500_start")}
+           "PATH": stand_in_torchrun(tmp_path, runs, "math500_start")}
 
     def recipe(parts):
         return subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env={**env, "PARTS": parts}, capture_output=True,
