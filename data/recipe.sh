@@ -250,7 +250,11 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
             cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"
         fi
     done
-    if [ -f "$R/sft/log.jsonl" ] && is_done sft; then cp "$R/sft/log.jsonl" "$OUT/sft.log.jsonl"; fi
+    if [ -f "$R/sft/log.jsonl" ] && is_done sft; then  # one file a training run (a new machine trains SFT again)
+        local ended
+        ended=$(grep $'^sft\tend\t' "$R/times.tsv" | tail -n 1 | cut -f 3 | tr : -)
+        cp "$R/sft/log.jsonl" "$OUT/sft.${ended:-unknown}.log.jsonl"
+    fi
     if [ -f "$R/distill/traj.summary.json" ] && is_done distill; then
         cp "$R/distill/traj.summary.json" "$OUT/distill.summary.json"
         gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"

@@ -358,6 +358,29 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |" in tables
 
 
+@pytest.mark.timeout(60)
+def test_recipe_script_keeps_each_sft_runs_log(tmp_path):
+    """A new machine trains SFT again (a model is not committed): its log is exported under the
+    time its part ended, beside the earlier run's, which stays as it was (it was one file,
+    sft.log.jsonl, that each run overwrote)."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    (runs / "sft").mkdir(parents=True)
+    (runs / "sft" / "log.jsonl").write_text('{"step": 1, "loss": 0.25}\n')
+    (runs / "times.tsv").write_text("sft\tend\t2026-12-01T08:00:00Z\t60 s\tabc1234\n"
+                                    "sft\tend\t2026-12-02T17:01:02Z\t60 s\tdef5678\n")
+    out.mkdir()
+    (out / "sft.2026-12-01T08-00-00Z.log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
+             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
+    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (out / "sft.2026-12-02T17-01-02Z.log.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'
+    assert (out / "sft.2026-12-01T08-00-00Z.log.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+    assert not (out / "sft.log.jsonl").exists()
+
+
 def stand_in_torchrun(tmp_path, runs, part, samples=None):
     """A `torchrun` earlier on PATH whose evaluate.py copies prepared samples (`samples`, else
     tmp_path/samples.jsonl) into runs/PART; any other script fails."""
