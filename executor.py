@@ -1102,8 +1102,6 @@ os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is 
 # Sandbox.run: the interface (each block a fresh Python program, run contained)
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
-INTERRUPT_GRACE = 2.0  # seconds from a timed-out block's KeyboardInterrupt to SIGKILL (0.5 s cut the
-                       # traceback off on a machine loaded into swap: faults.md S1)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
 
 
@@ -1154,9 +1152,9 @@ class Sandbox(contextlib.AbstractContextManager):
     reset; the string hash seed stays the template's.
 
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
-    shows where it was, then SIGKILL INTERRUPT_GRACE s later); rlimits on address space
-    (status 'memory'), CPU seconds, file size and, when not root, processes; output read
-    with bounded memory, head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
+    shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
+    seconds, file size and, when not root, processes; output read with bounded memory,
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
     then True), a block has its own PID namespace (all it starts dies with it, however it
     detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
     namespace and mount namespace: a root of its own holding only the system and the
@@ -1347,7 +1345,7 @@ class Sandbox(contextlib.AbstractContextManager):
                             stop, deadline = "bomb", now
                 if now >= deadline and pid is not None and not ended:
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
-                    stop, deadline = stop or "timeout", now + (0.05 if stop else INTERRUPT_GRACE)
+                    stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
                 wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
                 ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
                 if out_r in ready:
@@ -1806,20 +1804,19 @@ def _replay(blocks, main):
     if len(blocks) == 1:
         return
     real_exit, me, name = os._exit, os.getpid(), f"\0thinc_{os.urandom(8).hex()}"
-    held, wanted, replayed = threading.Event(), threading.Event(), threading.Event()
+    held, wanted = threading.Event(), threading.Event()
     keeper = threading.Thread(target=_keep_fds, args=(name, held, wanted), daemon=True)
     keeper.start()
     held.wait()
     os.dup2(0, 1)
     os.dup2(0, 2)
-    os._exit = lambda n=0: _end_replayed_block(n, replayed) if os.getpid() == me else real_exit(n)
+    os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
     try:
         for k in range(len(blocks) - 1):
             with contextlib.suppress(BaseException):
                 _execute(blocks, k, main, True)
     finally:
         os._exit = real_exit
-        replayed.set()
         with socket.socket(socket.AF_UNIX) as server:
             server.bind(name)
             server.listen()
@@ -1845,13 +1842,9 @@ def _keep_fds(name, held, wanted):
         socket.send_fds(s, [b"f"], [1, _REPORT_FD])
 
 
-def _end_replayed_block(n, replayed):
-    """os._exit(n) while replaying: from the main thread, the block ends as by sys.exit(n);
-    from another, the main thread gets a KeyboardInterrupt and this thread ends only once the
-    replay has (its end would let a join return before the interrupt: faults.md S23)."""
-    if threading.current_thread() is not threading.main_thread():
+def _end_replayed_block(n):
+    if threading.current_thread() is not threading.main_thread():  # a KeyboardInterrupt there
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        replayed.wait()
     sys.exit(n)
 
 
