@@ -1722,6 +1722,9 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
             resource.setrlimit(limit, (value, value))
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Python's own, whatever the caller's: a trainer run as a background job or under nohup ignores
+    # SIGINT, and its blocks did too (no KeyboardInterrupt at a timeout: faults.md S1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.write(sock_fd, b'{"ready": true}')  # its last word there: from here on block code runs
     os.closerange(3, _REPORT_FD)  # the template's, the caller's and other blocks' fds
     return req

@@ -349,6 +349,25 @@ def test_s1_timeout_then_next_block(tmpdir_for_blocks):
         _assert_clean(sb5)
 
 
+@pytest.mark.timeout(60)
+def test_s1_blocks_get_the_interrupt_when_the_caller_ignores_sigint(tmpdir_for_blocks):
+    """A trainer started as a background job or under nohup has SIGINT ignored, and its blocks
+    inherited that: a timed-out block got no KeyboardInterrupt (no traceback, SIGKILL after the
+    grace) and a stateful replay ran past a thread's os._exit. A block's SIGINT is Python's own."""
+    caller = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with Sandbox(workers=1, timeout=1.0) as box:
+            assert box.run("import signal\nprint(signal.getsignal(signal.SIGINT).__name__)").output == \
+                "default_int_handler\n"
+            r = box.run("import time\ntime.sleep(100)")
+            assert r.status == "timeout" and 'File "<code>", line 2' in r.output, r.output
+            rs = _trajectory(box, ["import os, threading\nx = 1\nt = threading.Thread(target=os._exit, args=(0,))\n"
+                                   "t.start()\nt.join()\nx = 2", "print(x)"])
+            assert [r.output for r in rs] == ["[os._exit(0) called: the program stopped here]", "1\n"]
+    finally:
+        signal.signal(signal.SIGINT, caller)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("code", [
     "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
