@@ -36,10 +36,10 @@ Departures from the paper (it does not define these details):
      vote), so maj@k never disagrees with grade.
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
-  4. Each rank samples its problems (every world_size-th) in one rollout call, at most
-     --max-num-seqs sequences at once (continuous batching). Sample j of a problem draws from
-     its own generator, seeded (its row's seed) from --seed, the benchmark, the problem id and
-     j only (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same
+  4. Each rank samples its problems (`rank_share`: every world_size-th of those left) in one
+     rollout call, at most --max-num-seqs sequences at once (continuous batching). Sample j
+     of a problem draws from its own generator, seeded (its row's seed) from --seed, the
+     benchmark, the problem id and j only (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same
      samples in fp32 (up to the floating-point effects of which rows share a forward). In
      bf16 (CUDA's default) or fp16 those effects change samples, so a resume there keeps the
      run's --max-num-seqs (tests/faults.md G20).
@@ -459,6 +459,17 @@ def read_benchmarks(paths, limit: int) -> dict:
     return benches
 
 
+def rank_share(problems, done, k: int, rank: int, world: int):
+    """This rank's (benchmark, problem) pairs: every world-th of those lacking one of their k
+    samples in `done`, taken in an order drawn from the benchmark and id alone. So a resume
+    spreads what is left over every rank, and a file whose kinds of problem come in turn (six
+    families in data/exact_test.jsonl) does not put half the kinds on each of two ranks (their
+    lengths differ: 13 min against 50+ for two halves of one held-out row)."""
+    todo = [(b, q) for b, q in problems if any((b, q["id"], j) not in done for j in range(k))]
+    todo.sort(key=lambda bq: hashlib.sha256(json.dumps([bq[0], bq[1]["id"]]).encode()).digest())
+    return todo[rank::world]
+
+
 def sample_seed(seed: int, benchmark: str, problem_id: str, j: int) -> int:
     """The generator seed of sample j of a problem: a stable hash (not Python's salted
     hash()) of the base seed, the benchmark, the problem id and j, nothing else."""
@@ -634,9 +645,9 @@ def run(args) -> None:
     rank, local_rank, world, device = setup_distributed(args.seed, backend="gloo", timeout=datetime.timedelta(hours=48))
     try:
         # a problem that lacks a sample is sampled whole again: its seeds reproduce the saved ones
-        todo = [(b, q) for b, q in problems[rank::world] if any((b, q["id"], j) not in done for j in range(args.k))]
+        todo = rank_share(problems, done, args.k, rank, world)
         print0(f"{len(keys)} samples ({len(benches)} benchmarks, k {args.k}), <= {args.max_num_seqs} at once on each "
-               f"of {world} ranks (rank r: problems p % {world} == r); {len(done)} samples already in {args.out}")
+               f"of {world} ranks; {len(done)} samples already in {args.out}")
         if todo:
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # rows admitted so that the KV cache they can reach fits (tests/faults.md D12)

@@ -110,11 +110,27 @@ def test_two_ranks_gather_the_same_samples_and_metrics(single, tmp_path):
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
     r = _cli(data, tmp_path, model, launcher=launcher, timeout=140)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    # rank 0 samples problems 0 and 2 (p1, q1), rank 1 problem 1 (p2)
+    # rank 0 samples two of the three problems (rank_share's order), rank 1 the third
     assert "[rank 0] sampled 2 problems x 2" in r.stdout and "[rank 1] sampled 1 problems x 2" in r.stdout
     assert not [n for n in os.listdir(tmp_path) if n.startswith("samples.rank")]
     assert (tmp_path / "samples.jsonl").read_text() == (out / "samples.jsonl").read_text()
     assert _benchmarks(tmp_path) == _benchmarks(out)
+
+
+def test_ranks_share_what_is_left_whatever_order_the_kinds_come_in():
+    """Twelve problems of six kinds in turn, two ranks: each rank holds five of the kinds (every
+    other problem held three each: one rank got only the long kinds of a held-out row, 13 min
+    against 50+); with rank 0's six done, a resume splits the other six three and three (before:
+    all six on rank 1, rank 0 idle)."""
+    probs = [("exact", {"id": f"k{i % 6}-{i}"}) for i in range(12)]
+    shares = [[q["id"] for _, q in ev.rank_share(probs, set(), 1, r, 2)] for r in range(2)]
+    assert shares == [["k0-6", "k1-1", "k2-8", "k4-4", "k0-0", "k5-11"],
+                      ["k3-9", "k4-10", "k5-5", "k1-7", "k3-3", "k2-2"]]
+    assert [len({i.split("-")[0] for i in share}) for share in shares] == [5, 5]
+    done = {("exact", i, 0) for i in shares[0]}
+    left = [[q["id"] for _, q in ev.rank_share(probs, done, 1, r, 2)] for r in range(2)]
+    assert left == [["k3-9", "k5-5", "k3-3"], ["k4-10", "k1-7", "k2-2"]]
+    assert ev.rank_share(probs, done | {("exact", "k3-9", 0)}, 2, 0, 2)[0][1]["id"] == "k0-6"  # k = 2: sample 1 lacks
 
 
 def test_sample_seeds_depend_on_the_sample_alone():
