@@ -36,12 +36,13 @@ Departures from the paper (it does not define these details):
      vote), so maj@k never disagrees with grade.
   3. Code grounding matches the answer as a token in the outputs (rules in
      `answer_in_output`), not by a general equivalence check.
-  4. Each rank samples its problems (`rank_share`: every world_size-th of those left) in one
-     rollout call, at most --max-num-seqs sequences at once (continuous batching). Sample j
-     of a problem draws from its own generator, seeded (its row's seed) from --seed, the
-     benchmark, the problem id and j only (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same
-     samples in fp32 (up to the floating-point effects of which rows share a forward). In
-     bf16 (CUDA's default) or fp16 those effects change samples, so a resume there keeps the
+  4. Each rank samples its problems (`rank_share`: every world_size-th of those left, in a
+     hash order of benchmark and id) in one rollout call, at most --max-num-seqs sequences
+     at once (continuous batching). Sample j of a problem draws from its own generator,
+     seeded (its row's seed) from --seed, the benchmark, the problem id and j only
+     (`sample_seed`): 1 or N ranks, any --max-num-seqs and a resume give the same samples in
+     fp32 (up to the floating-point effects of which rows share a forward). In bf16 (CUDA's
+     default) or fp16 those effects change samples, so a resume there keeps the
      run's --max-num-seqs (tests/faults.md G20).
 """
 import datetime
@@ -464,7 +465,7 @@ def rank_share(problems, done, k: int, rank: int, world: int):
     samples in `done`, taken in an order drawn from the benchmark and id alone. So a resume
     spreads what is left over every rank, and a file whose kinds of problem come in turn (six
     families in data/exact_test.jsonl) does not put half the kinds on each of two ranks (their
-    lengths differ: 13 min against 50+ for two halves of one held-out row)."""
+    lengths differ: 13 min against 48 for two halves of one held-out row)."""
     todo = [(b, q) for b, q in problems if any((b, q["id"], j) not in done for j in range(k))]
     todo.sort(key=lambda bq: hashlib.sha256(json.dumps([bq[0], bq[1]["id"]]).encode()).digest())
     return todo[rank::world]
@@ -624,9 +625,9 @@ def run(args) -> None:
     """Sample k completions per problem on every rank's problems, append each as it finishes,
     then (rank 0) merge the ranks' files and write the report."""
     # 1) inputs and resume state, checked before any process group exists so that every
-    #    rank fails the same clean way (all ranks read the same files; a rank only ever
-    #    appends to its own file, and only rows of its own problems, so what another rank
-    #    reads while this one writes cannot change its decisions)
+    #    rank fails the same clean way. Every rank must read the same `done` (rank_share
+    #    splits what is left by it): each reads it here, before the rendezvous of
+    #    setup_distributed, which waits for every rank, and no rank writes before that
     # (its own samples.jsonl as --data fails check_resume below); a live run there holds its lock
     ex.check_out(args.out, "evaluate", (args.model, *args.data))
     if os.path.isdir(args.out):

@@ -39,8 +39,9 @@ BUDGETS=${BUDGETS:-768,1024,1536,2048}
 BUDGET_PROBLEMS=${BUDGET_PROBLEMS:-48}
 MAX_GAIN=${MAX_GAIN:-3}               # points (part 1's rule)
 K=${K:-1}                            # samples per held-out problem (k = 1: exact McNemar)
-RANKS=${RANKS:-2}                    # processes each stage runs as (torchrun), one a core; 1 for each of two
-                                     # recipe processes side by side. Evaluations: the same samples at any RANKS
+RANKS=${RANKS:-2}                    # processes each stage but distill runs as (torchrun), one a core (on GPUs:
+                                     # at most one a GPU); 1 for each of two recipe processes side by side. An
+                                     # evaluation draws the same samples at any RANKS; GRPO rows share one RANKS
 TOOLS=${TOOLS:-6}                    # executed blocks per sample, everywhere
 EVAL_BATCH=${EVAL_BATCH:-64}         # sequences decoding at once (fp32: changes no sample); 64 decodes fastest here
 BATCH_FLAG=${BATCH_FLAG:---max-num-seqs}         # evaluate.py: sequences decoding at once
@@ -252,7 +253,7 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
     done
     if [ -f "$R/sft/log.jsonl" ] && is_done sft; then  # one file a training run (a new machine trains SFT again)
         local ended
-        ended=$(grep $'^sft\tend\t' "$R/times.tsv" | tail -n 1 | cut -f 3 | tr : -)
+        ended=$( (grep $'^sft\tend\t' "$R/times.tsv" || true) | tail -n 1 | cut -f 3 | tr : -)
         cp "$R/sft/log.jsonl" "$OUT/sft.${ended:-unknown}.log.jsonl"
     fi
     if [ -f "$R/distill/traj.summary.json" ] && is_done distill; then

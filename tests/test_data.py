@@ -379,6 +379,10 @@ def test_recipe_script_keeps_each_sft_runs_log(tmp_path):
     assert (out / "sft.2026-12-02T17-01-02Z.log.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'
     assert (out / "sft.2026-12-01T08-00-00Z.log.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
     assert not (out / "sft.log.jsonl").exists()
+    (runs / "times.tsv").write_text("sft\tstart\t2026-12-02T18:00:00Z\tdef5678\n")  # done.txt says sft: no end line
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (out / "sft.unknown.log.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'
 
 
 def stand_in_torchrun(tmp_path, runs, part, samples=None):
