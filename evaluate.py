@@ -461,13 +461,14 @@ def read_benchmarks(paths, limit: int) -> dict:
 
 
 def rank_share(problems, done, k: int, rank: int, world: int):
-    """This rank's (benchmark, problem) pairs: every world-th of those lacking one of their k
-    samples in `done`, taken in an order drawn from the benchmark and id alone. So a resume
+    """This rank's share of `problems` ((benchmark, problem dict) pairs): every world-th of
+    those lacking one of their k samples in `done` (a set of (benchmark, id, j)), taken in the
+    order of sample_seed(0, benchmark, id, 0), a hash of the benchmark and id alone. So a resume
     spreads what is left over every rank, and a file whose kinds of problem come in turn (six
     families in data/exact_test.jsonl) does not put half the kinds on each of two ranks (their
     lengths differ: 13 min against 48 for two halves of one held-out row)."""
     todo = [(b, q) for b, q in problems if any((b, q["id"], j) not in done for j in range(k))]
-    todo.sort(key=lambda bq: hashlib.sha256(json.dumps([bq[0], bq[1]["id"]]).encode()).digest())
+    todo.sort(key=lambda bq: sample_seed(0, bq[0], bq[1]["id"], 0))
     return todo[rank::world]
 
 

@@ -124,14 +124,14 @@ def test_ranks_share_what_is_left_whatever_order_the_kinds_come_in():
     all six on rank 1, rank 0 idle)."""
     probs = [("exact", {"id": f"k{i % 6}-{i}"}) for i in range(12)]
     shares = [[q["id"] for _, q in ev.rank_share(probs, set(), 1, r, 2)] for r in range(2)]
-    assert shares == [["k0-6", "k1-1", "k2-8", "k4-4", "k0-0", "k5-11"],
-                      ["k3-9", "k4-10", "k5-5", "k1-7", "k3-3", "k2-2"]]
+    assert shares == [["k2-8", "k1-1", "k3-3", "k3-9", "k0-6", "k4-10"],
+                      ["k1-7", "k2-2", "k5-11", "k4-4", "k5-5", "k0-0"]]
     assert [len({i.split("-")[0] for i in share}) for share in shares] == [5, 5]
     done = {("exact", i, 0) for i in shares[0]}
     left = [[q["id"] for _, q in ev.rank_share(probs, done, 1, r, 2)] for r in range(2)]
-    assert left == [["k3-9", "k5-5", "k3-3"], ["k4-10", "k1-7", "k2-2"]]
-    k2 = [ev.rank_share(probs, done | {("exact", "k3-9", 0)}, 2, r, 2) for r in range(2)]  # k = 2: sample 1 lacks
-    assert [len(share) for share in k2] == [6, 6] and k2[0][0][1]["id"] == "k0-6"
+    assert left == [["k1-7", "k5-11", "k5-5"], ["k2-2", "k4-4", "k0-0"]]
+    k2 = [ev.rank_share(probs, done | {("exact", "k1-7", 0)}, 2, r, 2) for r in range(2)]  # k = 2: sample 1 lacks
+    assert [len(share) for share in k2] == [6, 6] and k2[0][0][1]["id"] == "k2-8"
 
 
 def test_sample_seeds_depend_on_the_sample_alone():
