@@ -511,9 +511,13 @@ SHARES = {  # metric: (numerator, denominator), sums over the step's samples on 
 def step_metrics(step: int, problems, samples, rewards, dropped: int, train, times, G: int, optimizer, proc: Dist):
     """The step's metrics and per-prompt pass rates, computed in one place from this rank's
     problems, samples, (N,) rewards, groups dropped for no signal and `update_policy`'s
-    sums: every count is summed over ranks in one all-reduce, the times are the slowest
-    rank's, the records are gathered on rank 0. The loss's metrics are means per loss
-    token, absent (with grad_norm None) when no group had signal (not a misleading 0).
+    sums: every count is summed over ranks in one all-reduce, the records are gathered on
+    rank 0. Times (s): rollout and exec stalls are the slowest rank's; training is the
+    shortest, that of the rank whose rollout ended last (a rank that ended its rollout
+    earlier waits for it in the update's first collective, and its clock counts the wait),
+    so rollout + exec + training is the step's wall time (tests/faults.md D15). The loss's
+    metrics are means per loss token, absent (with grad_norm None) when no group had signal
+    (not a misleading 0).
     Returns (metrics, records) as `grpo_step`."""
     correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)])  # (N,)
     records = [{"step": step, "id": p["id"], "n": G, "correct": c, "reward": r} for p, c, r in
@@ -526,7 +530,9 @@ def step_metrics(step: int, problems, samples, rewards, dropped: int, train, tim
             "loss_tokens": 0, **train["sums"]}  # the same keys, in the same order, on every rank
     totals = dict(zip(sums, sft.all_reduce(torch.tensor([float(v) for v in sums.values()], dtype=torch.float64,
                                                         device=proc.device)).tolist()))
-    times = sft.all_reduce(torch.tensor(times, dtype=torch.float64, device=proc.device), dist.ReduceOp.MAX).tolist()
+    slowest = sft.all_reduce(torch.tensor(times[:2], dtype=torch.float64, device=proc.device), dist.ReduceOp.MAX)
+    update = sft.all_reduce(torch.tensor(times[2:], dtype=torch.float64, device=proc.device), dist.ReduceOp.MIN)
+    times = slowest.tolist() + update.tolist()  # rollout, exec stalls, training
     if proc.world_size > 1:
         parts = [None] * proc.world_size
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result

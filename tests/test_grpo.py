@@ -687,6 +687,12 @@ def test_ragged_rollout_lengths_do_not_hang_D2(two_ranks):
 
 
 @pytest.mark.timeout(300)
+def test_step_times_add_up_to_the_step_D15(two_ranks):
+    r0, r1 = two_ranks.res
+    assert r0["d15_times"] == r1["d15_times"] == [4.0, 0.0, 2.0]  # slowest rollout, the unwaited update
+
+
+@pytest.mark.timeout(300)
 def test_uneven_micro_batches_after_dropping_D3(two_ranks):
     r0, r1 = two_ranks.res
     assert (r0["d3_kept"], r1["d3_kept"]) == (3, 0)
@@ -783,9 +789,17 @@ def _worker(out_dir, tiny_dir):
             return got
 
         alternate = itertools.cycle([1.0, 0.0])  # every group of 2 has signal: both ranks train
+        real_metrics = grpo.step_metrics
+
+        def set_times(*a):  # D15: the times the step measured, replaced by fixed ones (s)
+            return real_metrics(*a[:6], [1.0, 0.0, 5.0] if rank == 0 else [4.0, 0.0, 2.0], *a[7:])
+
+        grpo.step_metrics = set_times
         model, [(m, _)] = run_steps(tiny.make_model(tok), tok, args, problems(2), 1,
                                     lambda s, p: next(alternate), sb, rollout_fn=lengths, d=d)
-        res.update(d2_max_model_tokens=toks["max"], d2_steps=m["optimizer_steps"])
+        grpo.step_metrics = real_metrics
+        res.update(d2_max_model_tokens=toks["max"], d2_steps=m["optimizer_steps"],
+                   d15_times=[m["time_rollout"], m["time_exec"], m["time_train"]])
 
         # D3: after dropping, rank 0 has 3 micro-batches (1 group of 3, micro-batch 1), rank 1 none
         args = make_args(prompts_per_step=2, group_size=3, max_new_tokens=3, micro_batch=1)
