@@ -151,6 +151,9 @@ def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
 # decimal part or `/d`. Not inside a word (`x70`, `a_70`), not part of a longer number
 # (`170`, `1.70`, `70.5`); a sentence-final period is allowed (`is 70.`).
 _OUT_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+|/\d+)?(?!\w|\.\d)")
+# Where Python's error text starts in an output: a traceback, or a compile error's location
+# (a SyntaxError prints `File "<code>", line 3` without the header); its line numbers are not results
+_ERROR_TEXT = re.compile(r'^Traceback \(most recent call last\):$|^\s*File "[^"\n]*", line \d+', re.M)
 # What printed code does not write: LaTeX markup, brackets, `*`, `^`, whitespace
 _MARKUP = re.compile(r"\\(?:[dt]?frac|text\w*|mathrm|left|right|cdot|times|[,!;])|[\s$*^{}()\\]")
 
@@ -159,6 +162,12 @@ def _bare(s: str) -> str:
     """s without _MARKUP, `}{` read as `/`: `\\frac{\\sqrt{3}}{2}` and `sqrt(3)/2` are
     both `sqrt3/2`, `x^{2}+1` and `x**2 + 1` both `x2+1`."""
     return _MARKUP.sub("", s.replace("}{", "/"))
+
+
+def _printed(out: str) -> str:
+    """An execution output up to Python's error text (_ERROR_TEXT): what the block printed."""
+    error = _ERROR_TEXT.search(out)
+    return out[:error.start()] if error else out
 
 
 def answer_in_output(pred: str, outputs) -> bool:
@@ -171,7 +180,10 @@ def answer_in_output(pred: str, outputs) -> bool:
     when its _bare form occurs in an output's _bare form, not glued to a neighbouring
     name, number or `/` (`2\\pi` matches `2*pi`, not `32*pi`). The bare forms drop
     brackets, so `(1+x)/2` and `1+x/2` match each other: a diagnostic, not a grader.
+    Only what the block printed counts, not Python's error text after it: `2` does not
+    match the `line 2` of a traceback (tests/faults.md A18).
     """
+    outputs = [_printed(out) for out in outputs if out]
     value = ex.number_value(pred)
     if value is not None:
         return any(ex.number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))

@@ -194,6 +194,11 @@ def test_maj_at_k_groups_votes_as_the_grader_does():
     ("(1,2)", "(1, 2)\n", True),
     ("x^2+1", "x**2 + 1\n", True),
     ("\\text{Evelyn}", "winner: Evelyn\n", True),
+    # A18: Python's error text is not output; what a block printed before it is
+    ("2", 'Traceback (most recent call last):\n  File "<code>", line 2, in <module>\nNameError: x\n', False),
+    ("3", '  File "<code>", line 3\n    x = = 2\n        ^\nSyntaxError: invalid syntax\n', False),
+    ("12", '12\nTraceback (most recent call last):\n  File "<code>", line 5, in <module>\nKeyError: 7\n', True),
+    ("7", '12\nTraceback (most recent call last):\n  File "<code>", line 5, in <module>\nKeyError: 7\n', False),
 ])
 def test_answer_in_output(pred, output, hit):
     assert ev.answer_in_output(pred, [output]) is hit
