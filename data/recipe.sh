@@ -18,9 +18,9 @@
 #   9 export    samples (gzip), training metrics, the distillation summary and wall times into
 #               data/recipe/, then data/recipe/tables.md, computed from those files alone
 # A part whose name is in runs/recipe/done.txt is skipped, and so is one whose samples (or kept
-# trajectories) data/recipe/ holds with an end line in data/recipe/times.tsv: a new machine
-# resumes from the committed files (a training part is retrained there when a later part needs
-# its model). A killed part is rerun, and every stage resumes its own partial output (evaluate.py
+# trajectories, or training metrics) data/recipe/ holds with an end line in data/recipe/times.tsv:
+# a new machine resumes from the committed files (a training part is retrained there when a part
+# still to run needs its model). A killed part is rerun, and every stage resumes its own partial output (evaluate.py
 # and distill.py skip what they wrote, grpo.py and sft.py continue from their newest checkpoint).
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
 # Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
@@ -98,7 +98,21 @@ restored() {  # restored NAME: the part's product is committed in data/recipe/; 
             [ -f "$OUT/$1.samples.jsonl.gz" ] || return 1
             mkdir -p "$R/$1"
             gunzip -c "$OUT/$1.samples.jsonl.gz" > "$R/$1/samples.jsonl" ;;
+        sft|grpo|sft_grpo|control)  # the model is not committed: done only while no part still to run reads it
+            [ -f "$OUT/$1.metrics.jsonl" ] || [ "$1" = sft ] || return 1
+            local reader
+            for reader in $(readers "$1"); do
+                restored "$reader" || return 1
+            done ;;
         *) return 1 ;;
+    esac
+}
+
+readers() {  # the parts that read part NAME's model
+    case $1 in
+        sft) echo heldout_sft sft_grpo ;;
+        *) echo "heldout_$1"
+           if [[ " $PUBLIC " == *" $1 "* ]]; then echo "math500_$1 gsm8k_$1"; fi ;;
     esac
 }
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -428,6 +429,43 @@ def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     assert times[3].startswith("heldout_grpo\tstart\t") and times[3].split("\t")[3].startswith(commit.strip())
     assert times[4].startswith("heldout_grpo\tend\t") and len(times) == 5
+
+
+def test_recipe_script_retrains_no_model_that_no_part_still_needs(tmp_path):
+    """A new machine where data/recipe/ holds every part (samples, training metrics, end lines):
+    nothing runs, not even a training part, whose model no part still to run reads (tests/faults.md
+    P6). Before, sft, grpo, sft_grpo and control were trained again. With gsm8k_sft_grpo's end line
+    gone, sft is trained again (sft_grpo, then that evaluation, need its model)."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    samples = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    evals = [f"{b}_{p}" for b in ("math500", "gsm8k") for p in ("start", "sft_grpo")]  # (BUDGET given: no part 1)
+    evals += [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
+    for name in evals:
+        (out / f"{name}.samples.jsonl.gz").write_bytes(samples)
+    for name in ("grpo", "sft_grpo", "control"):
+        (out / f"{name}.metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "distill.kept.jsonl.gz").write_bytes(gzip.compress(b""))
+    (out / "distill.rejected.jsonl.gz").write_bytes(gzip.compress(b""))
+    (out / "distill.summary.json").write_text("{}")
+    parts = evals + ["distill", "sft", "grpo", "sft_grpo", "control"]
+    (out / "times.tsv").write_text("".join(f"{p}\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234\n" for p in parts))
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text("#!/bin/sh\necho \"torchrun $3\" >&2\nexit 1\n")
+    (fake_bin / "torchrun").chmod(0o755)
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768",
+           "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "torchrun" not in run.stderr, run.stderr
+    assert all(f"== {p}: done before" in run.stdout for p in parts)
+    times = (out / "times.tsv").read_text()
+    (out / "times.tsv").write_text(times.replace("gsm8k_sft_grpo\tend", "gsm8k_sft_grpo\tstart"))
+    shutil.rmtree(runs)
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "torchrun sft.py" in run.stderr
+    assert "== distill: done before" in run.stdout and "== sft: 20" in run.stdout
 
 
 @pytest.mark.timeout(60)
