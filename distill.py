@@ -98,7 +98,7 @@ def filter_reasons(record: dict, min_blocks: int = 3, max_plan_share: float = 0.
     max_plan_share: rule (iv), plan_share must be strictly below it.
     require_stop: departure 1, finish_reason must be 'stop'.
     """
-    failed = (not ex.grade(record["pred"], record["answer"], choices=record.get("choices")),  # in RULES order
+    failed = (not ex.correct(record["pred"], record),  # in RULES order
               any(b["status"] != "ok" for b in record["blocks"]),
               record["n_code_blocks"] < min_blocks,
               plan_share(record) >= max_plan_share,

@@ -25,7 +25,7 @@ args.json. A killed run restarted with the same command skips the samples alread
 
     python evaluate.py --model DIR --data aime24.jsonl aime25.jsonl --out runs/eval1
     torchrun --standalone --nproc_per_node=8 evaluate.py --model DIR --data a.jsonl --out runs/eval1
-    python evaluate.py --from-samples runs/eval1        # recompute every metric, no model
+    python evaluate.py --from-samples runs/eval1        # regrade, recompute every metric, no model
 
 Fractions are stored in [0, 1] in metrics.json and printed as percentages.
 
@@ -443,7 +443,9 @@ def parse_args(argv=None):
     p.add_argument("--exec-timeout", type=ex.positive_float, default=10.0, help="seconds per code block, wall clock")
     p.add_argument("--stateful", action="store_true", help="block k sees what blocks 1..k-1 defined (Sandbox.run)")
     # no model
-    p.add_argument("--from-samples", metavar="DIR", help="recompute every metric from DIR/samples.jsonl (no model)")
+    p.add_argument("--from-samples", metavar="DIR",
+                   help="grade DIR/samples.jsonl again (rewritten if a verdict changed), recompute every metric "
+                        "(no model)")
     p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
     p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead: GRPO curves, eval diagnostics")
     args = p.parse_args(argv)
@@ -511,6 +513,25 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
         if q is None or key[2] >= args.k or row.get("problem") != q["problem"] or str(row["answer"]) != q["answer"]:
             raise ex.InputError(f"{out_dir}: sample {key} was not made from this run's problems x --k {args.k} "
                              "(the data files changed?): use another --out")
+
+
+def regrade(path: str) -> list:
+    """Grade every row of a samples file again with today's `executor.correct` (a grader
+    fixed after the run: tests/faults.md A19) and rewrite the file atomically when a verdict
+    changed, printing each change. Returns the (benchmark, id, sample_idx) keys changed."""
+    rows = load_samples(path)
+    changed = []
+    for row in rows:
+        verdict = ex.correct(row["pred"], row)
+        if verdict != row["correct"]:
+            changed.append((row["benchmark"], row["id"], row["sample_idx"]))
+            print(f"regraded {changed[-1]}: pred {row['pred']!r}, gold {row['answer']!r}: "
+                  f"{row['correct']} -> {verdict}", flush=True)
+            row["correct"] = verdict
+    if changed:
+        ex.write_json_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    print(f"{path}: {len(changed)} of {len(rows)} verdicts changed by regrading", flush=True)
+    return changed
 
 
 def write_report(out_dir: str, args_dict: dict) -> None:
@@ -727,6 +748,7 @@ def main(argv=None) -> None:
             _pyplot().close(fig)
             print(f"wrote {path}")
     elif args.from_samples is not None:
+        regrade(os.path.join(args.from_samples, "samples.jsonl"))
         write_report(args.from_samples, {"from_samples": args.from_samples})
     else:
         run(args)

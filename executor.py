@@ -744,19 +744,17 @@ def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
 #    a) An equation counts by its right side when it is one equation whose left side names
 #       something (`m+n=70`, `x = 70`); any other equation is wrong (`5=70`, `x=y=70`,
 #       `x=5,y=70`, `x>=70`).
-#    b) A prediction that `number_value` reads (one number, a plain fraction or an integer
-#       power of integer literals, with the wrappers and units listed in its docstring) is
-#       right iff its exact value is the gold: `004`, `70.`, `70.0`, `\\text{70}`,
-#       `\\$70`, `70\\%`, `70\\text{ cm}`, `70 ways`, `(70)`, `\\frac{140}{2}`, `1,000`,
-#       `10^{3}` are integers; `70.5`, `69.99999999999`, `\\frac{141}{2}`, `-70`, and
-#       `10^{100}` against 0 are not (a power is size-checked before it is computed).
-#       A comma followed by a space separates list items and digits split by a space
-#       are not one number: `32, 349`, `12, 345`, `(1, 2)`, `7 0` are not read (rule 3),
-#       nor are several boxes unless they all hold the same answer (`\\boxed{5}, \\boxed{70}`
-#       is the list `5, 70`, which Math-Verify finds unequal to 70).
-# 3. Everything else (non-integer golds, predictions rule 2 does not read, such as
-#    `4\\sqrt{2}`, `2\\cdot35`, `\\sqrt{4900}`) goes to Math-Verify (Hugging Face's grader,
-#    the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
+#    b) Otherwise the prediction must be one number (`number_value(pred, literal=True)`: a
+#       decimal, with the wrappers and units listed in its docstring), right iff its exact
+#       value is the gold: `004`, `70.`, `70.0`, `\\text{70}`, `\\$70`, `70\\%`,
+#       `70\\text{ cm}`, `70 ways`, `(70)`, `1,000`, `x = 70` are 70; `70.5`,
+#       `69.99999999999`, `-70` are not. An expression is wrong whatever its value
+#       (`\\frac{140}{2}`, `10^{3}`, `2\\cdot35`, `60426 \\times 4795`, `4^{142} \\bmod 101`,
+#       `5 million`): the paper's reward pays for a computed answer, not for restating the
+#       question (tests/faults.md A19). Lists are not one number: `32, 349`, `(1, 2)`, `7 0`,
+#       several boxes unless they all hold the same answer.
+# 3. A non-integer gold (`\\frac{1}{2}`, `4\\sqrt{2}`, `(0,1)`) goes to Math-Verify (Hugging
+#    Face's grader, the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
 #    with its own rules (sets, intervals, equations, matrices, units, float rounding to 6
 #    places, `\\text{}` answers), but no tolerance between two exact values: only a side
 #    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
@@ -847,7 +845,9 @@ _CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answe
 _UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
 _WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
 _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
-_NUMBER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+|[+-]?\d+/0*[1-9]\d*")
+_DECIMAL = r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"   # 1,000 70.0 -.5: one number
+_LITERAL = re.compile(_DECIMAL)
+_NUMBER = re.compile(_DECIMAL + r"|[+-]?\d+/0*[1-9]\d*")
 _POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
 _NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
 # words that change the value are part of it, never a unit (tests/faults.md A11): rewritten
@@ -860,8 +860,10 @@ _VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z
                          + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
 
 
-def number_value(answer: str):
-    """The exact value (a Fraction) of an answer written as one number, else None.
+def number_value(answer: str, literal: bool = False):
+    """The exact value (a Fraction) of an answer written as one number, else None. With
+    `literal` only a decimal is read (no fraction, no power, no value word): the integer
+    rule's prediction side, where an expression is not an answer (tests/faults.md A19).
 
     Read: a decimal (`004`, `70.`, `70.0`, `-.5`, `1,000`, `10,\\!080`: thousands groups
     only with a nonzero lead, so `0,500` is not one number), `\\frac{a}{b}` or `a/b` of
@@ -888,6 +890,8 @@ def number_value(answer: str):
     s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
     s = _CHOICE_LABEL.sub("", s)
     s = _WRAPPED.sub(r"\1", s).rstrip(".")
+    if literal:
+        return Fraction(s.replace(",", "")) if _LITERAL.fullmatch(s) else None
     s = _FRACTION.sub(r"\1/\2", s)
     if _NUMBER.fullmatch(s):
         return Fraction(s.replace(",", ""))
@@ -932,10 +936,17 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
         if "=" in pred:
             m = _NAMED_EQUATION.fullmatch(pred)
             return m is not None and grade(m[2], gold, timeout)
-        p = number_value(pred)
-        if p is not None:
-            return p == g
+        # one number equal to the gold, never an expression that evaluates to it: the product
+        # problem's own `60426 \times 4795` restates the question (tests/faults.md A19)
+        return number_value(pred, literal=True) == g
     return _GRADER.verify(gold, pred, timeout)
+
+
+def correct(pred, problem: dict) -> bool:
+    """1[pred answers problem]: `grade` against its "answer", by letter when it has
+    "choices". The one verdict of every reward (grpo.py's, a `--reward` such as the
+    control's), of distillation's rule (i) and of evaluation (tests/faults.md A20)."""
+    return grade(pred, str(problem["answer"]), choices=problem.get("choices"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -980,8 +991,11 @@ def multiple_choice_row(where: str, row: dict) -> None:
         gold = LETTERS.find(letter) if len(letter) == 1 else -1
         if not 0 <= gold < len(options):
             raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
-    if len(set(options)) < len(options):
-        raise InputError(f"{where}: an option is repeated: the letter it names would be ambiguous")
+    first = {}
+    for i, option in enumerate(options):   # equal as choice_letter reads them: `paris` would name two letters (A21)
+        if (j := first.setdefault(_option_text(option), i)) != i:
+            raise InputError(f"{where}: options {options[j]!r} and {option!r} are the same answer to the grader "
+                             "(case, blanks, a final '.' and '$' aside): the letter it names would be ambiguous")
     order = choice_order(row["id"], len(options))
     row["choices"] = [options[i] for i in order]
     lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
@@ -2407,6 +2421,10 @@ def read_problems(path: str) -> list:
                 value = extract_answer(value, prose_only=False)
                 if value is None:
                     raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
+            elif field == "answer" and "####" in value:   # GSM8K as published: worked solution, `#### 72` (A21)
+                value = value.rsplit("####", 1)[1].strip()
+                if not value:
+                    raise InputError(f"{where}: field '{key}' has no answer after '####'")
             row[field] = value
         for key, value in row.items():  # extra fields go on to samples.jsonl, where a bare NaN is no JSON
             try:
@@ -2491,8 +2509,7 @@ def sample_record(problem: dict, sample) -> dict:
     completion, pred, correct, finish_reason, n_code_blocks, n_exec_errors,
     completion_tokens (model + output tokens), model_tokens, plan_tokens (sampled tokens
     before the first ```python line), blocks and the rollout seed."""
-    correct = grade(sample.pred, problem["answer"], choices=problem.get("choices"))
-    return dict(problem, completion=sample.text, pred=sample.pred, correct=correct,
+    return dict(problem, completion=sample.text, pred=sample.pred, correct=correct(sample.pred, problem),
                 finish_reason=sample.finish_reason, n_code_blocks=len(sample.blocks),
                 n_exec_errors=sum(b["status"] != "ok" for b in sample.blocks),
                 completion_tokens=len(sample.ids) - len(sample.prompt_ids), model_tokens=sample.n_model_tokens,

@@ -190,11 +190,10 @@ def batch_rewards(reward_fn, samples, problems, step: int = 0, args=None) -> tor
 
 
 def is_correct(sample, problem) -> bool:
-    """The answer in the model's own text equals the gold answer (the logged accuracy).
-    `sample.pred` comes from model-written tokens only, so an output block printing
-    \\boxed{...} earns nothing (tests/faults.md L7)."""
-    return bool(sample.pred is not None
-                and executor.grade(sample.pred, str(problem["answer"]), choices=problem.get("choices")))
+    """The answer in the model's own text answers the problem (`executor.correct`, every
+    reward's verdict). `sample.pred` comes from model-written tokens only, so an output
+    block printing \\boxed{...} earns nothing (tests/faults.md L7)."""
+    return executor.correct(sample.pred, problem)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

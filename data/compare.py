@@ -8,10 +8,11 @@ of answered samples whose answer appears in an execution output). A gain: the me
 over problems of (its avg@k - the first's), with a 95% paired bootstrap interval (a
 problem's two mean scores are resampled together, so the interval reflects which problems
 were drawn, not only the k samples of each), and at k = 1 the exact McNemar test (two-sided
-binomial test on the problems right under one policy only). Then the constant-answer
-baseline: the share of problems whose answer is the most common one, what always writing
-that answer scores. With --families, the right samples per problem family and each
-family's constant-answer baseline.
+binomial test on the problems right under one policy only). Then two floors: the constant
+answer, the share of problems whose answer is the most common one (what always writing that
+answer scores), and the echo, what boxing the question restated scores (`echo_answer`).
+With --families, the right samples per problem family and each family's constant-answer
+baseline.
 
     python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
     python data/compare.py --budgets 768,1024,1536,2048 data/recipe/budget.samples.jsonl.gz
@@ -118,6 +119,21 @@ def constant_baseline(answers: list) -> tuple[str, float]:
     return best, counts[best] / len(answers) if answers else 0.0
 
 
+_RESTATED = [(re.compile(r"What is \$?([^?$]+)\$?\?"), r"\1"),   # What is 8412 \times 2500?
+             (re.compile(r"remainder when \$([^$]+)\$ is divided by (\d+)"), r"\1 \\mod \2")]
+
+
+def echo_answer(problem: str) -> str:
+    """The question restated as its answer, what boxing the question would write:
+    `What is 8412 \\times 2500?` -> `8412 \\times 2500`; `... the remainder when $4^{142}$ is
+    divided by 101?` -> `4^{142} \\mod 101`; any other problem, its own text. Each evaluates
+    to the gold, so only a grader that computes expressions pays for it (tests/faults.md A19)."""
+    for pattern, answer in _RESTATED:
+        if m := pattern.search(problem):
+            return m.expand(answer).strip()
+    return problem
+
+
 def finish_rate(rows: list, budget: int) -> float:
     """The share of samples that end by EOS ('stop') within `budget` model tokens."""
     return sum(r["finish_reason"] == "stop" and r["model_tokens"] <= budget for r in rows) / len(rows)
@@ -207,6 +223,8 @@ def main(argv=None) -> None:
               f"{tools:.2f} | {grounded} | {gain} | {test} |")
     answer, share = constant_baseline([runs[0][i][1] for i in ids])
     print(f"\nconstant answer {answer!r}: {pct(share)}% of the {len(ids)} problems")
+    echo = np.mean([ex.grade(echo_answer(runs[0][i][0]), runs[0][i][1]) for i in ids])
+    print(f"the question restated (`echo_answer`): {pct(echo)}% of the {len(ids)} problems")
     if not args.families:
         return
     family = {i: re.sub(r"\d+", "N", runs[0][i][0]) for i in ids}

@@ -260,7 +260,8 @@ def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
         "| start | 25.0 [0.0, 75.0] | 50.0 (1 of 2) | 50.0 | 0.00 | 0.0 (of 4) | - | - |",
         "| grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |",
         "",
-        "constant answer '4': 50.0% of the 4 problems", "",
+        "constant answer '4': 50.0% of the 4 problems",
+        "the question restated (`echo_answer`): 0.0% of the 4 problems", "",
         "| family | problems | constant answer | start | grpo |", "|---|---|---|---|---|",
         "| How many positive divisors does N have? | 2 | 100.0% (4) | 0 of 2 | 1 of 2 |",
         "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |"]
@@ -303,6 +304,19 @@ def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_
     assert capsys.readouterr().err == f"compare.py: error: {bad}:1: missing field(s) benchmark, answer, pred, correct, " \
         "sample_idx, finish_reason, completion, blocks, n_code_blocks, n_exec_errors, completion_tokens, model_tokens, " \
         "plan_tokens\n"
+
+
+def test_the_echo_floor_is_zero_under_the_strict_rule_A19():
+    """compare.echo_answer restates the two families a box of the question answers, and the
+    grader pays for neither (the old grader paid for both: 34 of the 100 held-out problems)."""
+    import compare
+
+    product, power = "What is 8412 \\times 2500?", "What is the remainder when $4^{142}$ is divided by 101?"
+    assert compare.echo_answer(product) == "8412 \\times 2500"
+    assert compare.echo_answer(power) == "4^{142} \\mod 101"
+    divisors = "How many positive divisors does 360 have?"
+    assert compare.echo_answer(divisors) == divisors
+    assert not ex.grade(compare.echo_answer(product), "21030000") and not ex.grade(compare.echo_answer(power), "31")
 
 
 def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():

@@ -78,6 +78,25 @@ def test_end_to_end_then_from_samples_gives_identical_metrics(single, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_from_samples_regrades_with_todays_grader_A19(single, tmp_path, capsys):
+    """A sample graded right by an older grader for restating the question (`1 + 1` against
+    gold 2) is regraded wrong, the file rewritten, the metrics computed from the new verdict."""
+    _, out, _, _ = single
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    rows = ev.load_samples(str(copy / "samples.jsonl"))
+    rows[0].update(pred="1 + 1", correct=True)    # b1 p1, gold 2
+    rows[1].update(pred="2.0", correct=False)     # b1 p1: one number, right
+    (copy / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ex.cli(ev.main, ["--from-samples", str(copy)]) == 0
+    assert "2 of 6 verdicts changed by regrading" in capsys.readouterr().out
+    regraded = ev.load_samples(str(copy / "samples.jsonl"))
+    assert [r["correct"] for r in regraded[:2]] == [False, True]
+    assert regraded[2:] == rows[2:]
+    assert _benchmarks(copy)["b1"]["avg_at_k"] == sum(r["correct"] for r in regraded[:4]) / 4
+
+
+@pytest.mark.timeout(120)
 def test_killed_run_resumes_with_each_sample_once_and_identical(single, tmp_path):
     """The folder a killed run leaves: this rank's file with a torn last line, a file from
     an earlier 2-rank attempt, and a row already merged into samples.jsonl (a crash after

@@ -1,6 +1,7 @@
 """Answer extraction and grading: extraction and the integer rule (tests/faults.md A1-A6),
 the Math-Verify path for non-integer (MATH-style) answers, and its time limit from any
 thread (A6, A8), on pathological input and when the helper dies."""
+import json
 import math
 import os
 import signal
@@ -31,9 +32,9 @@ def test_a1_balanced_braces():
 
 @pytest.mark.timeout(10)
 def test_a1_documented_rules_for_fraction_and_power():
-    # Rule 3b/3c: an exact integer-valued fraction / power of integer literals counts.
-    assert grade(r"\frac{140}{2}", "70") is True
-    assert grade("10^{3}", "1000") is True
+    # Rule 2b: against an integer gold a fraction or a power is an expression, not one number (A19)
+    assert grade(r"\frac{140}{2}", "70") is False
+    assert grade("10^{3}", "1000") is False
     assert grade(extract_answer(r"\boxed{70"), "70") is False
 
 
@@ -311,9 +312,9 @@ def test_number_value_rules(raw, value):
     ("2x-y+1=0", "y=2x+1", True),                   # an equation written another way
     ("(0,1)", "0<f(x)<1", True),                    # an interval for an inequality
     (r"x \in (0,1)", "(0,1)", True),
-    # Integer golds, predictions the integer rule does not read (Math-Verify decides):
-    (r"2\cdot35", "70", True),                      # was False: expressions were never evaluated
-    (r"\sqrt{4900}", "70", True),
+    # Integer golds: not one number, so wrong whatever the value (tests/faults.md A19)
+    (r"2\cdot35", "70", False),
+    (r"\sqrt{4900}", "70", False),
     (r"4\sqrt{2}", "4", False),
     ("70x", "70", False),
 ])
@@ -372,9 +373,9 @@ def test_exact_values_compare_exactly_A10(pred, gold, right):
     (r"5\text{ million}", "5", False), (r"3 \text{ hundred}", "3", False), ("2 thousand", "2", False),
     ("4 billions", "4", False), ("2 dozen", "2", False), ("70 pi", "70", False), ("5 squared", "5", False),
     (r"2.5\text{ million}", "2.5", False), ("3 tenths", "3", False),
-    ("5 million", "5000000", True), (r"5\text{ million}", "5000000", True), (r"3 \text{ hundred}", "300", True),
-    ("2 dozen", "24", True), ("5 squared", "25", True), ("3 tenths", r"\frac{3}{10}", True),
-    (r"2.5\text{ million}", "2500000", True), ("70 pi", r"70\pi", True),
+    ("5 million", "5000000", False), (r"5\text{ million}", "5000000", False), ("2 dozen", "24", False),  # A19
+    ("5 squared", "25", False), ("3 tenths", r"\frac{3}{10}", True), ("70 pi", r"70\pi", True),
+    (r"2.5\text{ million}", r"\frac{5}{2} \cdot 10^{6}", True), ("2 dozen", r"24.5 - \frac{1}{2}", True),
     ("70 cm", "70", True), ("70 cm squared", "70", True), (r"70\text{ ways}", "70", True),   # units: still dropped
 ])
 def test_value_words_are_part_of_the_value_A11(pred, gold, right):
@@ -441,8 +442,83 @@ def test_ordinals_emphasis_and_choice_labels_are_read_A13(pred, right):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pred,gold,right", [
     ("4 factorial", "4", False), (r"4\text{ factorial}", "4", False), ("5 factorial", "5", False),
-    ("4 factorial", "24", True), (r"4\text{ factorial}", "24", True), ("5 factorial", "120", True),   # 4!, 5!
+    ("4 factorial", "24", False), (r"4\text{ factorial}", r"\sqrt{576}", True), ("5 factorial", "5!", True),  # A19
 ])
 def test_operator_words_are_applied_A14(pred, gold, right):
     assert grade(pred, gold, timeout=SLOW_OK) is right
     assert number_value(pred) is None   # `4 !`: not one number, so Math-Verify decides (it reads n!)
+
+
+# --- A19: the integer rule is strict: one number, never the question restated ----------------------
+
+# One problem of each held-out family (data/exact_test.jsonl) and an expression of its own
+# numbers that evaluates to its gold: Math-Verify computes each, so each was once paid for.
+ECHOES = [
+    (r"8412 \times 2500", "21030000"),                          # What is 8412 \times 2500?
+    (r"4^{142} \bmod 101", "31"),                               # the remainder of 4^{142} divided by 101
+    (r"4^{142} \mod 101", "31"),
+    ("5+6+2+9+4+9+9+5+3+4+2+1+3+1+2", "65"),                    # the digits of 2^{49} = 562949953421312, summed
+    ("(3+1)(2+1)(1+1)", "24"),                                  # the divisors of 360 = 2^3 3^2 5, counted
+    ("2+3+5+7+11+13+17+19", "77"),                              # the primes below 20, summed
+    (r"\lfloor 100/3 \rfloor + \lfloor 100/5 \rfloor - \lfloor 100/15 \rfloor", "47"),   # 3 or 5 up to 100
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold", ECHOES + [
+    (r"\frac{14}{2}", "7"), (r"\dfrac{140}{2}", "70"), ("140/2", "70"), ("2^{10}", "1024"), ("10^3", "1000"),
+    ("3 + 4", "7"), (r"2\cdot35", "70"), (r"\sqrt{4900}", "70"), ("x = 3 + 4", "7"), ("5 million", "5000000"),
+    ("2 dozen", "24"), ("5 squared", "25"), ("4 factorial", "24"),
+])
+def test_an_expression_is_no_integer_answer_A19(pred, gold):
+    """Against an integer gold an expression is wrong although it evaluates to the gold."""
+    assert grade(pred, gold, timeout=SLOW_OK) is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred", [
+    "21030000", "21,030,000", r"21{,}030{,}000", r"21,\!030,\!000", r"\$21030000", r"\$21,030,000.00", "21030000.0",
+    r"21030000\text{ cm}", "21030000 dollars", r"\text{21030000}", r"\textbf{21030000}", "x = 21030000",
+    "m+n=21030000", "(21030000)", "{21030000}", r"21030000^{\circ}", "021030000", "21030000.", r"21030000\%",
+])
+def test_formatting_of_one_number_is_still_read_A19(pred):
+    assert grade(pred, "21030000", timeout=SLOW_OK) is True
+
+
+def test_number_value_literal_reads_one_decimal_only_A19():
+    assert number_value(r"\frac{14}{2}") == 7 and number_value(r"\frac{14}{2}", literal=True) is None
+    assert number_value("2^{10}") == 1024 and number_value("2^{10}", literal=True) is None
+    assert number_value("14/2", literal=True) is None and number_value("5 squared", literal=True) is None
+    assert number_value(r"\$1,000.50", literal=True) == Fraction(2001, 2)
+
+
+@pytest.mark.timeout(60)
+def test_non_integer_golds_still_go_to_math_verify_A19():
+    assert grade(r"\frac{14}{4}", r"\frac{7}{2}", timeout=SLOW_OK) is True
+    assert grade("2^{-1}", "0.5", timeout=SLOW_OK) is True
+
+
+# --- A21: GSM8K's published answer field; options equal to the grader --------------------------------
+
+def test_gsm8k_answer_field_is_the_number_after_hashes_A21(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                       "She sold 48+24 = <<48+24=72>>72 clips.\n#### 72"},
+            {"question": "q", "answer": "1,000 + 234 = 1,234\n#### 1,234"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = executor.read_problems(str(path))
+    assert [p["answer"] for p in problems] == ["72", "1,234"]
+    assert grade("72", problems[0]["answer"]) is True and grade("1234", problems[1]["answer"]) is True
+    path.write_text(json.dumps({"question": "q", "answer": "2 + 2 = 4\n####  "}) + "\n")
+    with pytest.raises(executor.InputError, match=f"{path}:1: field 'answer' has no answer after '####'"):
+        executor.read_problems(str(path))
+
+
+def test_options_equal_to_the_grader_are_refused_A21(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    row = {"id": "q1", "problem": "The capital of France?", "choices": ["Paris", "London", "paris.", "Rome"],
+           "answer": "A"}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(executor.InputError, match=f"^{path}:1: options 'Paris' and 'paris.' are the same answer"):
+        executor.read_problems(str(path))

@@ -150,14 +150,14 @@ def test_maj_at_k_uses_the_given_equivalence():
 
 @pytest.mark.timeout(60)
 def test_maj_at_k_groups_votes_as_the_grader_does():
-    """\\frac{140}{2} and 70 are both right for gold 70: one answer with 2 votes, tied
+    """70.0 and 70 are both right for gold 70: one answer with 2 votes, tied
     with 5's 2 votes; the tie goes to the earliest first vote (tests/faults.md A9; before, grouped by
     normalised string, 5 won with 2 votes against 1 + 1 and maj@4 was 0)."""
-    first = [rec("p", 0, True, "\\frac{140}{2}"), rec("p", 1, True, "70"),
+    first = [rec("p", 0, True, "70.0"), rec("p", 1, True, "70"),
              rec("p", 2, False, "5"), rec("p", 3, False, "5")]
     assert ev.maj_at_k(first, k=4) == 1.0
-    assert ev.majority_answer(first)["pred"] == "\\frac{140}{2}"   # the group's first vote
-    later = [rec("q", 0, False, "5"), rec("q", 1, True, "\\frac{140}{2}"),
+    assert ev.majority_answer(first)["pred"] == "70.0"   # the group's first vote
+    later = [rec("q", 0, False, "5"), rec("q", 1, True, "70.0"),
              rec("q", 2, True, "70"), rec("q", 3, False, "5")]
     assert ev.maj_at_k(later, k=4) == 0.0                            # 5 voted first
     half = "\\frac{1}{2}"                                           # non-integer: Math-Verify's equivalence

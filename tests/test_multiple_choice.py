@@ -82,12 +82,12 @@ def test_gold_letters_are_balanced_over_400_ids_A15():
     ({"id": "a", "problem": "?", "choices": ["x", "y"], "answer": "x"}, "field 'answer' must be a letter A to B"),
     ({"id": "a", "problem": "?", "choices": ["x", "y"], "answer": "AB"}, "field 'answer' must be a letter A to B"),
     ({"id": "a", "problem": "?", "choices": ["x", None], "answer": "A"}, "field 'choices\\[1\\]' must be"),
-    ({"id": "a", "problem": "?", "choices": ["x", " x "], "answer": "A"}, "an option is repeated"),
+    ({"id": "a", "problem": "?", "choices": ["x", " x "], "answer": "A"}, "options .* are the same answer"),
     ({"id": "a", "choices": ["x", "y"], "answer": "A"}, "field 'question' must be a string"),
     (dict(GPQA_ROW, Question=""), "field 'Question' is blank"),
     ({k: v for k, v in GPQA_ROW.items() if k != "Question"}, "field 'Question' must be a string"),
     ({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 3"}, "field 'Incorrect Answer 3' must be a string"),
-    (dict(GPQA_ROW, **{"Incorrect Answer 2": "Nitrogen "}), "an option is repeated"),
+    (dict(GPQA_ROW, **{"Incorrect Answer 2": "Nitrogen "}), "options .* are the same answer to the grader"),
 ])
 def test_bad_multiple_choice_rows_are_refused_A15(tmp_path, row, what):
     with pytest.raises(ex.InputError, match=r"mc.jsonl:2: " + what):
@@ -120,7 +120,21 @@ def test_every_answer_spelling_A16(monkeypatch, text, letter):
 def test_a_free_answer_row_is_unaffected_A16(tmp_path):
     rows = _read(tmp_path, [{"id": "f", "problem": "What is 140/2?", "answer": 70, "subject": "x"}])
     assert rows == [{"id": "f", "problem": "What is 140/2?", "answer": "70", "subject": "x"}]   # no choices
-    assert ex.grade(r"\frac{140}{2}", "70") and not ex.grade("B", "70") and ex.grade("x+1", "1+x", timeout=30)
+    assert ex.grade("70.0", "70") and not ex.grade("B", "70") and ex.grade("x+1", "1+x", timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_control_rewards_every_spelling_as_grpo_does_A20():
+    """The permuted-reward control grades through grpo's own verdict (`executor.correct`): the
+    answers `B`, `(B)`, `b`, the option's text, `C` and `B.` against gold B earn 1, 1, 1, 1, 0, 1
+    from both (before, the control graded without `choices`: 1, 1, 1, 0, 0, 0)."""
+    import grpo
+    sys.path.insert(0, os.path.join(ROOT, "data"))
+    import permuted_reward as pr
+    problem = {"id": "q", "problem": "?", "answer": "B", "choices": CHOICES}
+    preds = ("B", "(B)", "b", "4", "C", "B.")
+    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in preds]
+    assert pr.answer_rewards(samples, [problem]) == grpo.answer_reward(samples, [problem] * 6) == [1, 1, 1, 1, 0, 1]
 
 
 # --- A17: votes by letter; best@k; the per-subject split -------------------------------------------
