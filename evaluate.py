@@ -412,7 +412,9 @@ def merged_samples(out_dir: str) -> dict:
 
 # the run's identity: everything that decides which samples exist and what they are (not
 # --max-num-seqs in fp32: a sample's seed is its own). A run folder is resumed only with the same.
-SAMPLING_ARGS = ("model", "dtype", "data", "limit", "k", "seed", "exec_timeout", *ex.ROLLOUT_ARGS)
+# what a sample depends on: a resume must match them (not --limit: a sample's seed is its own, so a
+# larger --limit extends a run, and check_resume refuses samples of problems past a smaller one)
+SAMPLING_ARGS = ("model", "dtype", "data", "exemplars", "k", "seed", "exec_timeout", *ex.ROLLOUT_ARGS)
 
 
 def parse_args(argv=None):
@@ -423,6 +425,8 @@ def parse_args(argv=None):
     p.add_argument("--data", nargs="+", metavar="JSONL", type=ex.input_file, default=[ex.DEMO_PROBLEMS],
                    help="problems files, one benchmark each (named by the file stem)")
     p.add_argument("--limit", type=ex.nonneg_int, default=0, help="first N problems of each file; 0 = all")
+    p.add_argument("--exemplars", type=ex.input_file, help="few-shot turns JSONL (data/exemplars.jsonl, the "
+                   "teacher's prompt: a prompting baseline); none = zero-shot, the paper's evaluation")
     p.add_argument("--out", metavar="DIR", default="runs/eval", help="run folder (a killed run's folder is resumed)")
     # sampling (paper defaults)
     p.add_argument("--k", type=ex.size_int, default=16, help="samples per problem (avg@k, pass@k, maj@k)")
@@ -663,10 +667,13 @@ def run(args) -> None:
     #    splits what is left by it): each reads it here, before the rendezvous of
     #    setup_distributed, which waits for every rank, and no rank writes before that
     # (its own samples.jsonl as --data fails check_resume below); a live run there holds its lock
+    from distill import load_exemplars
+
     ex.check_out(args.out, "evaluate", (args.model, *args.data))
     if os.path.isdir(args.out):
         ex.lock_run(args.out)
     benches = read_benchmarks(args.data, args.limit)
+    shots = load_exemplars(args.exemplars) if args.exemplars else ()   # (distill.py's check of them)
     problems = [(b, q) for b, qs in benches.items() for q in qs]
     keys = [(b, q["id"], j) for b, q in problems for j in range(args.k)]  # the work items, in report order
     done = merged_samples(args.out)
@@ -692,7 +699,7 @@ def run(args) -> None:
             print0(plan)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
-            prompts = {(b, q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful) for b, q in problems}
+            prompts = {(b, q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful, shots) for b, q in problems}
             long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
             if long:
                 raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "

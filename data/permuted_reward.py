@@ -6,6 +6,7 @@ it was right: a policy that improves under it improves for some other reason tha
 reward (format, length, any update at all).
 
     torchrun --standalone --nproc_per_node=1 grpo.py --reward data/permuted_reward.py:permuted_reward ...
+    torchrun --standalone --nproc_per_node=1 grpo.py --reward data/permuted_reward.py:group_permuted_reward ...
 
 grpo.py logs `accuracy` from the real grade whatever the reward, so the control's curves
 show what it actually solved.
@@ -35,3 +36,25 @@ def permuted_reward(samples, problems, seed: int = 0) -> list[float]:
     rng = random.Random(f"{seed} {[str(p['id']) for p in problems]}")
     rng.shuffle(rewards)
     return rewards
+
+
+def group_permuted_reward(samples, problems, seed: int = 0) -> list[float]:
+    """answer_rewards shuffled within each group (the consecutive samples of one problem):
+    every group keeps its reward multiset, so the same groups carry signal and the
+    advantages keep their sizes; only which sample of a group gets which reward is random.
+    The fair control of data/recipe.sh's `control_group` (`permuted_reward` also moves
+    rewards between groups, giving signal to groups that had none). Seeded as
+    `permuted_reward`, per group by its position and problem id (tests/faults.md P8)."""
+    rewards = answer_rewards(samples, problems)
+    G = len(samples) // len(problems)
+    ids = [str(problems[i // G]["id"]) for i in range(len(samples))]
+    out, start = [], 0
+    while start < len(rewards):
+        end = start + 1
+        while end < len(rewards) and ids[end] == ids[start]:
+            end += 1
+        group = rewards[start:end]
+        random.Random(f"{seed} {start} {ids[start]}").shuffle(group)
+        out += group
+        start = end
+    return out

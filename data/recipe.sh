@@ -17,12 +17,25 @@
 #               (the start model's right after part 2: it needs no training)
 #   9 export    samples (gzip), training metrics, the distillation summary and wall times into
 #               data/recipe/, then data/recipe/tables.md, computed from those files alone
+# Round 2 (each after round 1's parts, each with its held-out row):
+#  10 heldout_start_3shot  the start model with data/exemplars.jsonl as three prior turns (what the
+#               teacher and SFT's data saw): the prompting baseline
+#  11 grpo_seed1, grpo_seed2, sft_grpo_seed1, sft_grpo_seed2: grpo and sft_grpo again with --seed 1
+#               and 2 (round 1's ran with --seed 0), from the same SFT model (trained again here)
+#  12 control_group  5 with rewards shuffled within each group (permuted_reward.group_permuted_reward:
+#               each group keeps its reward multiset, so the same groups carry signal)
+#  13 math500_all_*, gsm8k_all_*: every problem of MATH500 (math500_int: 311) and the first
+#               PUBLIC_ALL_N of GSM8K for ALL_ROWS; the start model's extend its first PUBLIC_N
+#               (a sample's seed is its own, so those samples are reused)
 # A part whose name is in runs/recipe/done.txt is skipped, and so is one whose samples (or kept
 # trajectories, or training metrics) data/recipe/ holds with an end line in data/recipe/times.tsv:
 # a new machine resumes from the committed files (a training part is retrained there when a part
 # still to run needs its model). A killed part is rerun, and every stage resumes its own partial output (evaluate.py
 # and distill.py skip what they wrote, grpo.py and sft.py continue from their newest checkpoint).
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
+# A part is done only while its output exists (a done part whose samples are gone runs again)
+# and only for the settings R and OUT_DIR were made with (their settings.txt): a run with
+# other settings over them is refused (tests/faults.md P7).
 # Settings below; each can be overridden from the environment (K=2 bash ...); BUDGET=768 skips
 # part 1. PARTS="math500_start gsm8k_start" runs only the parts named (the others are left as they
 # are): two such processes with disjoint lists over the same R run parts side by side (RANKS=1
@@ -59,13 +72,37 @@ ROLLOUT_FLAG=${ROLLOUT_FLAG:---max-num-seqs}  # grpo.py: sequences decoding at o
 ROLLOUT=${ROLLOUT:-32}
 PUBLIC=${PUBLIC:-"start sft_grpo"}
 PUBLIC_N=${PUBLIC_N:-100}
+PUBLIC_ALL_N=${PUBLIC_ALL_N:-500}    # GSM8K problems in round 2's full public rows (MATH500: all 311)
+ALL_ROWS=${ALL_ROWS:-"start sft_grpo_seed1"}  # rows evaluated on the full public sets (a trained row's
+                                     # model must be on this machine: sft_grpo_seed1 is trained in round 2)
 MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b
 PARTS=${PARTS:-}                     # empty: every part
 POLL=${POLL:-60}                     # seconds between looks at done.txt while a part waits
 ALL_PARTS="budget heldout_start math500_start gsm8k_start distill sft heldout_sft grpo heldout_grpo sft_grpo
-heldout_sft_grpo control heldout_control math500_sft_grpo gsm8k_sft_grpo"
+heldout_sft_grpo control heldout_control math500_sft_grpo gsm8k_sft_grpo heldout_start_3shot grpo_seed1
+heldout_grpo_seed1 sft_grpo_seed1 heldout_sft_grpo_seed1 control_group heldout_control_group grpo_seed2
+heldout_grpo_seed2 sft_grpo_seed2 heldout_sft_grpo_seed2"
+for row in $ALL_ROWS; do ALL_PARTS="$ALL_PARTS math500_all_$row gsm8k_all_$row"; done
+# numbers are checked before anything starts: RANKS=0 or 'two' would reach torchrun (tests/faults.md P7)
+for var in RANKS K TOOLS EVAL_BATCH BUDGET_PROBLEMS DISTILL_N DISTILL_BATCH SFT_BATCH SFT_EPOCHS STEPS PROMPTS G \
+           ROLLOUT PUBLIC_N PUBLIC_ALL_N ${BUDGET+BUDGET}; do
+    if ! [[ "${!var}" =~ ^[1-9][0-9]{0,8}$ ]]; then
+        echo "$var must be a positive integer, got '${!var}'" >&2
+        exit 2
+    fi
+done
+for var in LR MAX_GAIN POLL; do
+    if ! [[ "${!var}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE]-?[0-9]{1,2})?$ ]] || [[ "${!var}" =~ ^[0.]+([eE].*)?$ ]]; then
+        echo "$var must be a positive number, got '${!var}'" >&2
+        exit 2
+    fi
+done
+if [ -n "$PARTS" ] && [ -z "${PARTS//[[:space:]]/}" ]; then  # blanks only: it would run nothing, status 0
+    echo "PARTS holds only blanks: name parts, or unset it for every part" >&2
+    exit 2
+fi
 for p in $PARTS; do  # a typo would run nothing and end with status 0
     if [[ " $(echo $ALL_PARTS) " != *" $p "* ]]; then
         echo "PARTS: no part '$p' (parts: $(echo $ALL_PARTS))" >&2
@@ -98,7 +135,7 @@ restored() {  # restored NAME: the part's product is committed in data/recipe/; 
             [ -f "$OUT/$1.samples.jsonl.gz" ] || return 1
             mkdir -p "$R/$1"
             gunzip -c "$OUT/$1.samples.jsonl.gz" > "$R/$1/samples.jsonl" ;;
-        sft|grpo|sft_grpo|control)  # the model is not committed: done only while no part still to run reads it
+        sft|grpo*|sft_grpo*|control*)  # the model is not committed: done only while no part still to run reads it
             [ -f "$OUT/$1.metrics.jsonl" ] || [ "$1" = sft ] || return 1
             local reader
             for reader in $(readers "$1"); do
@@ -110,19 +147,28 @@ restored() {  # restored NAME: the part's product is committed in data/recipe/; 
 
 readers() {  # the parts that read part NAME's model
     case $1 in
-        sft) echo heldout_sft sft_grpo ;;
+        sft) echo heldout_sft sft_grpo sft_grpo_seed1 sft_grpo_seed2 ;;
         *) echo "heldout_$1"
-           if [[ " $PUBLIC " == *" $1 "* ]]; then echo "math500_$1 gsm8k_$1"; fi ;;
+           if [[ " $PUBLIC " == *" $1 "* ]]; then echo "math500_$1 gsm8k_$1"; fi
+           if [[ " $ALL_ROWS " == *" $1 "* ]]; then echo "math500_all_$1 gsm8k_all_$1"; fi ;;
     esac
+}
+
+row_of() {  # the policy row an evaluation part evaluates: heldout_grpo_seed1 -> grpo_seed1
+    local r=${1#*_}
+    echo "${r#all_}"
 }
 
 part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     local name=$1
     shift
     if is_done "$name" || restored "$name"; then
-        is_done "$name" || echo "$name" >> "$R/done.txt"
+        is_done "$name" || mark_done "$name"
         echo "== $name: done before"
         return
+    fi
+    if listed "$name"; then
+        echo "== $name: listed in $R/done.txt, but $(product "$name") is gone: running it again"
     fi
     if [ -n "$PARTS" ] && [[ " $PARTS " != *" $name "* ]]; then
         echo "== $name: not in PARTS"
@@ -150,13 +196,29 @@ part() {  # part NAME COMMAND...: skipped when NAME is done, else run and timed
     local t0=$SECONDS
     "$@"
     printf '%s\tend\t%s\t%s s\t%s\n' "$name" "$(date -u +%FT%TZ)" "$((SECONDS - t0))" "$COMMIT" >> "$R/times.tsv"
-    echo "$name" >> "$R/done.txt"
+    mark_done "$name"
     exec 9>&-  # the part's lock
     export_files  # what is done so far is in data/recipe/, should a later part fail
 }
 
-is_done() {  # is_done NAME: the part is in done.txt
-    grep -qx "$1" "$R/done.txt"
+listed() {  # listed NAME: done.txt names the part (a CRLF file reads the same)
+    tr -d '\r' < "$R/done.txt" | grep -qx "$1"
+}
+
+is_done() {  # is_done NAME: listed, and its samples (or trajectories) still there
+    listed "$1" && { [ -z "$(product "$1")" ] || [ -s "$(product "$1")" ]; }
+}
+
+product() {  # the file a done part keeps (none for a training part: its model may be gone, P6)
+    case $1 in
+        budget|heldout_*|math500_*|gsm8k_*) echo "$R/$1/samples.jsonl" ;;
+        distill) echo "$R/distill/traj.jsonl" ;;
+    esac
+}
+
+mark_done() {  # mark_done NAME: one whole line, even after a torn last line (a kill mid-append)
+    if [ -s "$R/done.txt" ] && [ -n "$(tail -c 1 "$R/done.txt")" ]; then echo >> "$R/done.txt"; fi
+    echo "$1" >> "$R/done.txt"
 }
 
 made_by_a_live_process() {  # made_by_a_live_process NAME: a process that is alive (its PARTS file locked) runs NAME
@@ -174,16 +236,16 @@ launch() {  # launch SCRIPT ARGS...: the stage as RANKS processes on this machin
 
 needs() {  # the part whose product part NAME reads (none for the start model's)
     case $1 in
-        budget|distill|grpo|control|*_start) ;;
+        budget|distill|grpo|grpo_seed*|control|control_group|*_start|*_start_3shot) ;;
         sft) echo distill ;;
-        sft_grpo) echo sft ;;
-        heldout_*|math500_*|gsm8k_*) echo "${1#*_}" ;;
+        sft_grpo|sft_grpo_seed*) echo sft ;;
+        heldout_*|math500_*|gsm8k_*) row_of "$1" ;;
     esac
 }
 
 policy() {  # the model directory (or packaged name) of a row
     case $1 in
-        start) echo "$START" ;;
+        start|start_3shot) echo "$START" ;;
         sft) echo "$R/sft/final" ;;
         *) echo "$R/$1/latest" ;;
     esac
@@ -248,9 +310,29 @@ control() {
     grpo_run control "$START" --reward data/permuted_reward.py:permuted_reward
 }
 
+control_group() {
+    grpo_run control_group "$START" --reward data/permuted_reward.py:group_permuted_reward
+}
+
 evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
+    local shots=()
+    local room=1536  # tokens for the prompt and the blocks' outputs
+    if [ "$1" = start_3shot ]; then
+        shots=(--exemplars data/exemplars.jsonl)
+        room=$((room + 4096))  # the three exemplars' turns (1.5-4K tokens, as the teacher's prompt)
+    fi
     launch evaluate.py --model "$(policy "$1")" --data "$3" --limit "$4" --k "$5" "$BATCH_FLAG" "$EVAL_BATCH" \
-        --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" --seed 0 --out "$R/$2_$1"
+        --max-context $((B + room)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" --seed 0 --out "$R/$2_$1" \
+        "${shots[@]}"
+}
+
+evaluate_all() {  # evaluate_all ROW BENCH JSONL LIMIT: the whole set, from the first PUBLIC_N's samples
+    local first=$R/$2_$1/samples.jsonl
+    if [ -s "$first" ] && [ ! -e "$R/$2_all_$1" ]; then
+        mkdir -p "$R/$2_all_$1"
+        cp "$first" "$R/$2_all_$1/samples.jsonl"  # evaluate.py resumes from them: the same seeds
+    fi
+    evaluate_on "$1" "$2_all" "$3" "$4" 1
 }
 
 export_files() {  # gzip -n: the same samples give the same bytes; only finished parts (another
@@ -260,7 +342,7 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
             gzip -9 -n -c "$d/samples.jsonl" > "$OUT/$(basename "$d").samples.jsonl.gz"
         fi
     done
-    for d in grpo sft_grpo control; do
+    for d in grpo sft_grpo control grpo_seed1 grpo_seed2 sft_grpo_seed1 sft_grpo_seed2 control_group; do
         if [ -f "$R/$d/metrics.jsonl" ] && is_done "$d"; then
             cp "$R/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"
         fi
@@ -276,12 +358,14 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
         gzip -9 -n -c "$R/distill/traj.rejected.jsonl" > "$OUT/distill.rejected.jsonl.gz"
     fi
     cp "$R/times.tsv" "$OUT/times.tsv"
+    if [ -n "${SETTINGS:-}" ]; then echo "$SETTINGS" > "$OUT/settings.txt"; fi
 }
 
 tables() {  # only from the committed files: anyone can recompute them without a model
     local rows=()
     local row
-    for row in start sft grpo sft_grpo control; do
+    for row in start start_3shot sft grpo grpo_seed1 grpo_seed2 sft_grpo sft_grpo_seed1 sft_grpo_seed2 control \
+               control_group; do
         if [ -f "$OUT/heldout_$row.samples.jsonl.gz" ]; then rows+=("$OUT/heldout_$row.samples.jsonl.gz"); fi
     done
     {
@@ -294,18 +378,30 @@ tables() {  # only from the committed files: anyone can recompute them without a
         fi
         if [ ${#rows[@]} -gt 0 ]; then
             echo
-            echo "## Held out (data/exact_test.jsonl, k = $K); gains over the start model"
+            echo "## Held out (data/exact_test.jsonl, k = $K); gains over $(basename "${rows[0]}" .samples.jsonl.gz)"
             echo
             python data/compare.py --families "${rows[@]}"
         fi
         local pair
-        for pair in "grpo control" "grpo sft_grpo"; do
+        for pair in "grpo control" "grpo sft_grpo" "grpo control_group" "start start_3shot"; do
             set -- $pair
             if [ -f "$OUT/heldout_$1.samples.jsonl.gz" ] && [ -f "$OUT/heldout_$2.samples.jsonl.gz" ]; then
                 echo
                 echo "## Held out: $2 against $1"
                 echo
                 python data/compare.py "$OUT/heldout_$1.samples.jsonl.gz" "$OUT/heldout_$2.samples.jsonl.gz"
+            fi
+        done
+        for bench in math500_all gsm8k_all; do
+            local pub=()
+            for row in $ALL_ROWS; do
+                if [ -f "$OUT/${bench}_$row.samples.jsonl.gz" ]; then pub+=("$OUT/${bench}_$row.samples.jsonl.gz"); fi
+            done
+            if [ ${#pub[@]} -gt 0 ]; then
+                echo
+                echo "## $bench (k = 1)"
+                echo
+                python data/compare.py "${pub[@]}"
             fi
         done
         for bench in math500 gsm8k; do
@@ -338,6 +434,17 @@ if ! [[ "$B" =~ ^[1-9][0-9]*$ ]]; then
     exit 1
 fi
 echo "== B = $B model tokens"
+# what a part's result depends on (not RANKS for an evaluation, nor EVAL_BATCH: fp32 changes no sample)
+SETTINGS="B=$B K=$K TOOLS=$TOOLS TEACHER=$TEACHER DISTILL_N=$DISTILL_N SFT_BATCH=$SFT_BATCH SFT_EPOCHS=$SFT_EPOCHS \
+STEPS=$STEPS PROMPTS=$PROMPTS G=$G LR=$LR PUBLIC_N=$PUBLIC_N PUBLIC_ALL_N=$PUBLIC_ALL_N MATH500=$(basename "$MATH500") \
+GSM8K=$(basename "$GSM8K")"
+for f in "$R/settings.txt" "$OUT/settings.txt"; do  # parts of other settings are never counted done here
+    if [ -f "$f" ] && [ "$(tr -d '\r' < "$f")" != "$SETTINGS" ]; then
+        echo "$f: its parts were made with $(cat "$f"), this run has $SETTINGS: use another R and OUT_DIR" >&2
+        exit 2
+    fi
+done
+echo "$SETTINGS" > "$R/settings.txt"
 
 # --- 2-7) each policy, then its held-out evaluation (a session may stop after any row) -
 heldout() {
@@ -362,6 +469,23 @@ part control control
 heldout control
 for row in $PUBLIC; do
     if [ "$row" != start ]; then public "$row"; fi
+done
+
+# --- 10-13) round 2 ----------------------------------------------------------------------
+part heldout_start_3shot evaluate_on start_3shot heldout data/exact_test.jsonl 0 "$K"
+for seed in 1 2; do
+    part "grpo_seed$seed" grpo_run "grpo_seed$seed" "$START" --seed "$seed"
+    heldout "grpo_seed$seed"
+    part "sft_grpo_seed$seed" grpo_run "sft_grpo_seed$seed" "$R/sft/final" --seed "$seed"
+    heldout "sft_grpo_seed$seed"
+    if [ "$seed" = 1 ]; then
+        part control_group control_group
+        heldout control_group
+    fi
+done
+for row in $ALL_ROWS; do
+    part "math500_all_$row" evaluate_all "$row" math500 "$MATH500" 0
+    part "gsm8k_all_$row" evaluate_all "$row" gsm8k "$GSM8K" "$PUBLIC_ALL_N"
 done
 
 # --- 9) the committed files and the tables -------------------------------------------

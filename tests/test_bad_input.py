@@ -333,7 +333,7 @@ def test_stages_refuse_each_others_run_folders(tiny_dir, files, tmp_path, capsys
 # 3) resume never mixes settings
 
 
-def test_evaluate_resume_refuses_another_k_or_limit(tiny_dir, tmp_path):
+def test_evaluate_resume_refuses_another_k_or_a_smaller_limit(tiny_dir, tmp_path):
     data = _jsonl(tmp_path / "b.jsonl", PROBLEMS[:2])
     args = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
                           "--max-num-seqs", "2"])
@@ -343,11 +343,16 @@ def test_evaluate_resume_refuses_another_k_or_limit(tiny_dir, tmp_path):
     ev.check_resume(args, str(tmp_path), done, benches)  # the same command resumes
     args.max_num_seqs = 5
     ev.check_resume(args, str(tmp_path), done, benches)  # and with more rows at once (changes no sample)
-    for flag, value, saved in (("k", 3, 2), ("limit", 1, 0)):
-        other = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2",
-                               f"--{flag.replace('_', '-')}", str(value)])
-        with pytest.raises(ex.InputError, match=rf"made with --{flag.replace('_', '-')} {saved}, this run has {value}"):
-            ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
+    other = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "3"])
+    with pytest.raises(ex.InputError, match=r"made with --k 2, this run has 3"):
+        ev.check_resume(other, str(tmp_path), done, ev.read_benchmarks(other.data, other.limit))
+    # --limit extends a run (a sample's seed is its own); a smaller one that drops a sample's problem is refused
+    wider = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2", "--limit", "2"])
+    ev.check_resume(wider, str(tmp_path), done, ev.read_benchmarks(wider.data, wider.limit))
+    done[("b", "q1", 0)] = {**PROBLEMS[1], "benchmark": "b", "sample_idx": 0}
+    narrower = ev.parse_args(["--model", tiny_dir, "--data", data, "--out", str(tmp_path), "--k", "2", "--limit", "1"])
+    with pytest.raises(ex.InputError, match=r"sample \('b', 'q1', 0\) was not made from this run's problems"):
+        ev.check_resume(narrower, str(tmp_path), done, ev.read_benchmarks(narrower.data, narrower.limit))
 
 
 

@@ -233,6 +233,38 @@ def recipe_rows(correct: list, finish: list, tokens: list) -> list:
             for (i, q, a), c, f, t in zip(problems, correct, finish, tokens)]
 
 
+# data/recipe.sh's parts (BUDGET given: no part 1), and the evaluations among them
+TRAINED = ["distill", "sft", "grpo", "sft_grpo", "control", "grpo_seed1", "sft_grpo_seed1", "control_group",
+           "grpo_seed2", "sft_grpo_seed2"]
+EVALS = ([f"{b}_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo")]
+         + [f"heldout_{r}" for r in ("start", "sft", "grpo", "sft_grpo", "control", "start_3shot", "grpo_seed1",
+                                     "sft_grpo_seed1", "control_group", "grpo_seed2", "sft_grpo_seed2")]
+         + [f"{b}_all_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo_seed1")])
+
+
+def mark_done(runs, parts, samples=None):
+    """runs/done.txt naming `parts`; each evaluation among them keeps `samples` (rows; default
+    recipe_rows of a start model) as its output, which a done part must still have."""
+    rows = samples or recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    for name in set(parts) & set(EVALS):
+        (runs / name).mkdir(parents=True, exist_ok=True)
+        if not (runs / name / "samples.jsonl").exists():
+            (runs / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if "distill" in parts:
+        (runs / "distill").mkdir(parents=True, exist_ok=True)
+        (runs / "distill" / "traj.jsonl").write_text("{}\n")
+    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
+
+
+def no_torchrun(tmp_path):
+    """A PATH whose `torchrun` says which script it was asked to run, and fails."""
+    fake_bin = tmp_path / "nobin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text("#!/bin/sh\necho \"torchrun $3\" >&2\nexit 1\n")
+    (fake_bin / "torchrun").chmod(0o755)
+    return f"{fake_bin}:{os.environ['PATH']}"
+
+
 def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
     """tests/faults.md P2, every figure by hand. start: right on p1 only, p2 and p4 cut by the budget; grpo: right
     on p1-p3, p4 cut. Bootstrap over 4 problems: start's mean is 0 in (3/4)^4 = 32% of the
@@ -319,6 +351,21 @@ def test_the_echo_floor_is_zero_under_the_strict_rule_A19():
     assert not ex.grade(compare.echo_answer(product), "21030000") and not ex.grade(compare.echo_answer(power), "31")
 
 
+def test_group_permuted_reward_keeps_each_groups_rewards():
+    """Two groups of G = 3 as grpo.py passes them (one problem a sample): answer rewards
+    1, 0, 0 | 1, 1, 0; the fair control returns each group's own three values, in a seeded
+    order, so group 1 keeps one 1 and group 2 two 1s under every seed."""
+    import permuted_reward as pr
+
+    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in ("4", "5", None, "10", "10", "3")]
+    problems = [{"id": "q1", "answer": "4"}] * 3 + [{"id": "q2", "answer": "10"}] * 3
+    orders = [pr.group_permuted_reward(samples, problems, seed) for seed in range(20)]
+    assert all(sum(o[:3]) == 1.0 and sum(o[3:]) == 2.0 and len(o) == 6 for o in orders)
+    assert orders[0] == pr.group_permuted_reward(samples, problems, 0)
+    assert len({tuple(o) for o in orders}) > 1   # the order does change
+    assert pr.group_permuted_reward(samples, problems[::3]) in orders   # one problem per group: the same groups
+
+
 def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():
     """Two problems, G = 3: preds 4, 5, none against 4, then 10, 10, 3 against 10 give answer
     rewards 1, 0, 0, 1, 1, 0; the control returns those six values (three 1s, three 0s) in a
@@ -352,10 +399,9 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     for name, rows in (("heldout_start", start), ("heldout_grpo", grpo)):
         (runs / name).mkdir(parents=True)
         (runs / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
-             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
-    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
-    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
+    parts = TRAINED + EVALS
+    mark_done(runs, parts)
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PATH": no_torchrun(tmp_path)}
     outputs = []
     for _ in range(2):
         run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -363,14 +409,16 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
         assert run.stdout.count("done before") == len(parts)
         outputs.append({p.name: p.read_bytes() for p in out.iterdir()})
     assert outputs[0] == outputs[1]
-    assert sorted(outputs[0]) == ["heldout_grpo.samples.jsonl.gz", "heldout_start.samples.jsonl.gz", "tables.md",
-                                  "times.tsv"]
+    assert sorted(outputs[0]) == sorted([f"{p}.samples.jsonl.gz" for p in EVALS] + ["settings.txt", "tables.md",
+                                                                                   "times.tsv"])
     assert gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"]) == (runs / "heldout_grpo/samples.jsonl").read_bytes()
     tables = outputs[0]["tables.md"].decode().splitlines()
     assert tables[0] == "# data/recipe.sh at B = 768 model tokens"
     assert ("| heldout_grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] "
             "| 0.5 (2, 0) |") in tables
-    assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 2 of 2 |" in tables
+    # columns: start, start_3shot, sft, grpo (2 of 2), then the other seven rows, the start model's samples
+    assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 1 of 2 | 1 of 2 | 2 of 2 |" + " 1 of 2 |" * 7 in tables
+    assert "## Held out (data/exact_test.jsonl, k = 1); gains over heldout_start" in tables
 
 
 @pytest.mark.timeout(60)
@@ -385,10 +433,8 @@ def test_recipe_script_keeps_each_sft_runs_log(tmp_path):
                                     "sft\tend\t2026-12-02T17:01:02Z\t60 s\tdef5678\n")
     out.mkdir()
     (out / "sft.2026-12-01T08-00-00Z.log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
-    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
-             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
-    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
-    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
+    mark_done(runs, TRAINED + EVALS)
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PATH": no_torchrun(tmp_path)}
     run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert (out / "sft.2026-12-02T17-01-02Z.log.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'
@@ -425,10 +471,8 @@ def test_recipe_script_restores_committed_parts_on_a_new_machine(tmp_path):
     (out / "times.tsv").write_text("heldout_start\tstart\t2026-12-02T00:00:00Z\tabc1234\n"
                                    "heldout_start\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234\n"
                                    "heldout_grpo\tstart\t2026-12-02T01:00:00Z\tabc1234\n")
-    parts = ["distill", "sft", "grpo", "sft_grpo", "control", "math500_start", "gsm8k_start", "math500_sft_grpo",
-             "gsm8k_sft_grpo"] + [f"heldout_{p}" for p in ("sft", "sft_grpo", "control")]
     runs.mkdir()
-    (runs / "done.txt").write_text("".join(p + "\n" for p in parts))
+    mark_done(runs, [p for p in TRAINED + EVALS if p not in ("heldout_start", "heldout_grpo")])
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768"}
     # heldout_grpo is not restored: its evaluation runs, here a stand-in
     env["PATH"] = stand_in_torchrun(tmp_path, runs, "heldout_grpo", runs / "heldout_start/samples.jsonl")
@@ -454,16 +498,14 @@ def test_recipe_script_retrains_no_model_that_no_part_still_needs(tmp_path):
     out.mkdir()
     rows = recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
     samples = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
-    evals = [f"{b}_{p}" for b in ("math500", "gsm8k") for p in ("start", "sft_grpo")]  # (BUDGET given: no part 1)
-    evals += [f"heldout_{p}" for p in ("start", "sft", "grpo", "sft_grpo", "control")]
-    for name in evals:
+    for name in EVALS:
         (out / f"{name}.samples.jsonl.gz").write_bytes(samples)
-    for name in ("grpo", "sft_grpo", "control"):
+    for name in set(TRAINED) - {"distill", "sft"}:
         (out / f"{name}.metrics.jsonl").write_text('{"step": 1}\n')
     (out / "distill.kept.jsonl.gz").write_bytes(gzip.compress(b""))
     (out / "distill.rejected.jsonl.gz").write_bytes(gzip.compress(b""))
     (out / "distill.summary.json").write_text("{}")
-    parts = evals + ["distill", "sft", "grpo", "sft_grpo", "control"]
+    parts = EVALS + TRAINED
     (out / "times.tsv").write_text("".join(f"{p}\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234\n" for p in parts))
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -501,8 +543,9 @@ def test_recipe_script_runs_only_its_parts_and_exports_only_finished_ones(tmp_pa
     run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "== heldout_start: done before" in run.stdout
-    assert run.stdout.count("not in PARTS") == 13  # distill, sft, grpo, sft_grpo, control, 4 public, 4 held out
-    assert sorted(p.name for p in out.iterdir()) == ["heldout_start.samples.jsonl.gz", "tables.md", "times.tsv"]
+    assert run.stdout.count("not in PARTS") == len(TRAINED + EVALS) - 1   # every part but heldout_start
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_start.samples.jsonl.gz", "settings.txt", "tables.md",
+                                                     "times.tsv"]
 
 
 def hold_lock(path, text=None):
@@ -577,3 +620,47 @@ def test_recipe_script_refuses_what_would_wait_forever_or_run_twice(tmp_path):
     assert not (runs / "math500_start").exists()
     run = recipe("heldout_sft_gpro")
     assert run.returncode == 2 and "PARTS: no part 'heldout_sft_gpro'" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_recipe_state_files_and_numbers_are_checked_P7(tmp_path):
+    """data/recipe.sh's state (tests/faults.md P7): a torn last line of done.txt is not glued
+    to the next part's name; a CRLF done.txt reads as the same list; a done part whose samples
+    are gone runs again, saying so; parts made with other settings are refused, not restored;
+    PARTS of blanks and a RANKS or K that is no positive integer end in one line, exit 2."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PATH": no_torchrun(tmp_path)}
+
+    def recipe(**extra):
+        return subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=50)
+
+    mark_done(runs, TRAINED + EVALS)
+    done = (runs / "done.txt").read_text().replace("heldout_start\n", "")
+    (runs / "done.txt").write_text(done.replace("\n", "\r\n") + "heldout_gr")   # CRLF, and a torn last line
+    (tmp_path / "samples.jsonl").write_text((runs / "heldout_grpo" / "samples.jsonl").read_text())
+    run = recipe(PATH=stand_in_torchrun(tmp_path, runs, "heldout_start"))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("done before") == len(TRAINED + EVALS) - 1 and "== heldout_start: 20" in run.stdout
+    assert (runs / "done.txt").read_text().splitlines()[-2:] == ["heldout_gr", "heldout_start"]
+    (runs / "heldout_sft" / "samples.jsonl").unlink()   # listed done, its samples gone: it runs again
+    run = recipe()
+    assert run.returncode == 1 and "== heldout_sft: listed in" in run.stdout and "torchrun evaluate.py" in run.stderr
+    run = recipe(BUDGET="512")
+    assert run.returncode == 2 and run.stderr.endswith(f"its parts were made with B=768 K=1 TOOLS=6 TEACHER=qwen2.5-coder-1.5b "
+                                                       "DISTILL_N=96 SFT_BATCH=8 SFT_EPOCHS=3 STEPS=6 PROMPTS=8 G=4 LR=1e-5 "
+                                                       "PUBLIC_N=100 PUBLIC_ALL_N=500 MATH500=math500_int.jsonl "
+                                                       "GSM8K=gsm8k_test.jsonl, this run has B=512 K=1 TOOLS=6 "
+                                                       "TEACHER=qwen2.5-coder-1.5b DISTILL_N=96 SFT_BATCH=8 SFT_EPOCHS=3 "
+                                                       "STEPS=6 PROMPTS=8 G=4 LR=1e-5 PUBLIC_N=100 PUBLIC_ALL_N=500 "
+                                                       "MATH500=math500_int.jsonl GSM8K=gsm8k_test.jsonl: use another "
+                                                       "R and OUT_DIR\n")
+    assert run.stderr.startswith(f"{runs}/settings.txt: ")
+    for extra, line in (({"PARTS": "   "}, "PARTS holds only blanks: name parts, or unset it for every part\n"),
+                        ({"RANKS": "0"}, "RANKS must be a positive integer, got '0'\n"),
+                        ({"RANKS": "two"}, "RANKS must be a positive integer, got 'two'\n"),
+                        ({"K": "-1"}, "K must be a positive integer, got '-1'\n"),
+                        ({"LR": "0"}, "LR must be a positive number, got '0'\n"),
+                        ({"BUDGET": "1e3"}, "BUDGET must be a positive integer, got '1e3'\n")):
+        run = recipe(**extra)
+        assert (run.returncode, run.stderr) == (2, line)

@@ -97,6 +97,22 @@ def test_from_samples_regrades_with_todays_grader_A19(single, tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_exemplars_are_prior_turns_of_every_prompt(single, tmp_path):
+    """--exemplars puts its turns before each problem (the prompting baseline): a 300-word
+    exemplar leaves no room under --max-context 600, and a resume with other exemplars is refused."""
+    data, out, model, _ = single
+    shot = {"id": "e1", "problem": "What is 2 + 2? " + "Think. " * 300, "answer": "4",
+            "completion": "Add.\n```python\nprint(2 + 2)\n```\n```output\n4\n```\nSo \\boxed{4}."}
+    shots = _write_jsonl(tmp_path / "shots.jsonl", [shot])
+    r = _cli(data, tmp_path / "long", model, extra=("--exemplars", shots))
+    assert r.returncode == 2 and "prompts leave no room under --max-context 600" in r.stderr, r.stderr[-2000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    r = _cli(data, copy, model, extra=("--exemplars", shots))
+    assert r.returncode == 2 and "were made with --exemplars None, this run has" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
 def test_killed_run_resumes_with_each_sample_once_and_identical(single, tmp_path):
     """The folder a killed run leaves: this rank's file with a torn last line, a file from
     an earlier 2-rank attempt, and a row already merged into samples.jsonl (a crash after
