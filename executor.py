@@ -2602,11 +2602,14 @@ def bounded(kind, low, high=math.inf, low_open=False):
     return parse
 
 
-positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
+# every numeric flag has a finite range (tests/faults.md B43): a count past 2^31 - 1 or a number
+# past 10^6 is no setting, only an overflow later (--dist-timeout 1e300: OverflowError in timedelta)
+COUNT_MAX, NUMBER_MAX = 2**31 - 1, 1e6
+positive_int, nonneg_int = bounded(int, 1, COUNT_MAX), bounded(int, 0, COUNT_MAX)
 # seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
 # paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
 seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
-positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
+positive_float, nonneg_float = bounded(float, 0, NUMBER_MAX, low_open=True), bounded(float, 0, NUMBER_MAX)
 unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
 
 

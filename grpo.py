@@ -669,7 +669,7 @@ def parse_args(argv=None):
     # GRPO
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
     p.add_argument("--prompts-per-step", type=executor.size_int, default=128, help="prompts a step, all ranks")
-    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
+    p.add_argument("--group-size", type=executor.bounded(int, 2, 2**16), default=8, help="G: samples per prompt (>= 2)")
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
@@ -690,7 +690,7 @@ def parse_args(argv=None):
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
     # optimisation and run
-    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--lr", type=executor.unit_float, default=1e-6, help="AdamW learning rate, constant")
     p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
     p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
     # the flags shared with sft.py: --micro-batch, --weight-decay, --grad-clip, --chunk-size, --seed,

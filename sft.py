@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import executor
 from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
-                      nonneg_float, nonneg_int, positive_float, positive_int)
+                      nonneg_float, nonneg_int, positive_int)
 
 # -----------------------------------------------------------------------------
 # Distributed setup
@@ -772,7 +772,7 @@ def parse_args(argv=None):
     p.add_argument("--stateful", action="store_true",
                    help="trajectories distilled with --stateful: train under the stateful system prompt")
     # optimisation
-    p.add_argument("--lr", type=positive_float, default=7e-6, help="peak learning rate")
+    p.add_argument("--lr", type=executor.unit_float, default=7e-6, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.0, help="cosine floor, fraction of --lr")
     p.add_argument("--warmup", type=fraction, default=0.03, help="warmup share of all steps (0 = none)")
     p.add_argument("--epochs", type=positive_int, default=3, help="passes over the data")
@@ -794,8 +794,9 @@ def add_training_args(p):
     # system
     p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--dist-timeout", type=positive_float, default=24.0,
-                   help="hours a collective waits for the slowest rank (a step's rollouts, a save); torch's: 10 min")
+    p.add_argument("--dist-timeout", type=executor.bounded(float, 0, 8760, low_open=True), default=24.0,
+                   help="hours (a year at most) a collective waits for the slowest rank (a step's rollouts, a save); "
+                   "torch's: 10 min")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")

@@ -1120,3 +1120,49 @@ def test_a_closed_pipe_and_an_ascii_terminal_are_no_traceback_B36(evaluation, tm
     r = _samples_cli(evaluation, env={"PYTHONIOENCODING": "ascii"}, stdout=subprocess.PIPE)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "caf\\xe9 \\u2211" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# 14) round 4: numbers past any setting, giant lines, mixed problem forms, --resume with another
+# --model, a model without tokenizer files, a user's reward that raises
+
+
+STAGES = {"distill": distill, "evaluate": ev, "grpo": grpo, "sft": sft, "executor": ex}
+
+
+def _numeric_flags(module, monkeypatch):
+    """Every numeric flag (an `executor.bounded` type) of a stage's parser."""
+    parsers = []
+
+    class Recording(ex.ArgumentParser):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            parsers.append(self)
+
+    monkeypatch.setattr(ex, "ArgumentParser", Recording)
+    with pytest.raises(SystemExit):  # (--help: the stage's parser is built, then exits)
+        (module.main if module is ex else module.parse_args)(["--help"])
+    return [a.option_strings[0] for a in parsers[0]._actions
+            if a.option_strings and getattr(a.type, "__qualname__", "").startswith("bounded")]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_numeric_flag_has_a_finite_range_B43(stage, monkeypatch, capsys):
+    """`--dist-timeout 1e300` (sft, grpo) ended in an OverflowError traceback from timedelta,
+    and every float flag took 1e300, every integer one 10^40: each is refused at parse time
+    with the range it allows."""
+    flags = _numeric_flags(STAGES[stage], monkeypatch)
+    capsys.readouterr()
+    assert len(flags) >= 3
+    for flag in flags:
+        for value in ("1e300", "1" + "0" * 40):
+            with pytest.raises(ex.InputError, match=rf"argument {flag}: expected .* in [([].*], got '{value}'"):
+                STAGES[stage].parse_args([flag, value]) if stage != "executor" else ex.main(["x.py", flag, value])
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_a_dist_timeout_past_a_year_is_one_line_B43(stage, tiny_dir, files, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    argv = _good_argv(stage, tiny_dir, files, out) + ["--dist-timeout", "1e300"]
+    assert _refused(STAGES[stage], argv, tmp_path, capsys, out).endswith(
+        "argument --dist-timeout: expected a number in (0, 8760], got '1e300'")
