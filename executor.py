@@ -2308,35 +2308,51 @@ def _unique_keys(pairs: list) -> dict:
     return obj
 
 
-def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
+# the longest JSONL line read: a sample or trajectory row (32K tokens, 40 outputs) is under 1 MiB
+LINE_MAX = 16 * 2**20
+
+
+def read_jsonl(path: str, torn_tail_ok: bool = False, max_line: int = LINE_MAX, **json_kw):
     """Yield (line number, object) for each non-blank line of a JSONL file (`json_kw` go to
     json.loads). With `torn_tail_ok`, a last line without its newline (a write cut by a
     kill) that does not parse is ignored. Raises InputError naming file and line: bytes
-    that are not UTF-8, a line that is not JSON or not an object."""
+    that are not UTF-8, a line that is not JSON or not an object, a line of more than
+    `max_line` bytes (read no further than that: tests/faults.md B44)."""
     with open(path, "rb") as f:
-        lines = f.readlines()
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
-            row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
-            json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-        except RecursionError:
-            raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
-            if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
-                return
-            what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
-                f"not valid JSON ({getattr(e, 'msg', e)})"
-            if "int_max_str_digits" in str(e):
-                what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
-            raise InputError(f"{path}:{lineno}: {what}") from None
-        if not isinstance(row, dict):
-            raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        yield lineno, row
+        for lineno, raw in enumerate(iter(functools.partial(f.readline, max_line + 1), b""), 1):
+            if len(raw) > max_line:
+                raise InputError(f"{path}:{lineno}: a line of more than {max_line / 2**20:g} MiB: no row of this "
+                                 "project is that long (a damaged or wrong file?)")
+            if (row := _jsonl_row(path, lineno, raw, torn_tail_ok, json_kw)) is not None:
+                yield lineno, row
 
 
+def _jsonl_row(path: str, lineno: int, raw: bytes, torn_tail_ok: bool, json_kw: dict):
+    """One line of `read_jsonl` as an object; None for a blank line or an ignored torn tail."""
+    if not raw.strip():
+        return None
+    try:
+        # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+        row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
+        json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+    except RecursionError:
+        raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+    except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
+        if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
+            return None
+        what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+            f"not valid JSON ({getattr(e, 'msg', e)})"
+        if "int_max_str_digits" in str(e):
+            what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
+        raise InputError(f"{path}:{lineno}: {what}") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+# a problem's text field (the question, an option, the answer) and its whole line: 1 MiB is
+# about 250,000 tokens, past any --max-context these stages run at (tests/faults.md B44)
+FIELD_MAX, PROBLEM_LINE_MAX = 2**20, 4 * 2**20
 
 
 class _Float(float):
@@ -2353,7 +2369,7 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
     """One text field of a problems line as a stripped, non-blank string. A number (answers
     only) is taken from its JSON text: an integer keeps its digits, an integral float
     becomes an integer (1e23 -> "100000000000000000000000"), another float stays as written;
-    NaN and infinities (1e400 included) are refused."""
+    NaN and infinities (1e400 included) are refused, and text of more than FIELD_MAX characters."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (isinstance(value, str) or numbers_ok and number):
         want = "a string or a number" if numbers_ok else "a string"
@@ -2365,6 +2381,8 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
         value = int(exact) if exact == exact.to_integral_value() else value.text
     if not (value := str(value).strip()):
         raise InputError(f"{where}: field '{key}' is blank")
+    if len(value) > FIELD_MAX:
+        raise InputError(f"{where}: field '{key}' holds {len(value):,} characters, more than {FIELD_MAX:,}")
     return value
 
 
@@ -2384,11 +2402,12 @@ def read_problems(path: str) -> list:
         InputError (a ValueError) naming the file, the line and the field: bytes that are
             not UTF-8, a line that is not a JSON object, has no problem or no answer, a
             field of the wrong type, blank or not finite, an integer over Python's
-            int-str limit, a repeated id, or a file without any problem.
+            int-str limit, a repeated id, or a file without any problem; a line past
+            PROBLEM_LINE_MAX bytes or a text field past FIELD_MAX characters.
     """
     out, first_line = [], {}
     stem = os.path.splitext(os.path.basename(path))[0]
-    for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
+    for lineno, row in read_jsonl(path, max_line=PROBLEM_LINE_MAX, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
         pid = row.get("id", row.get("Record ID"))   # (GPQA's rows name themselves "Record ID")
         pid = f"{stem}-{lineno}" if pid is None else pid
@@ -2604,7 +2623,7 @@ def bounded(kind, low, high=math.inf, low_open=False):
 
 # every numeric flag has a finite range (tests/faults.md B43): a count past 2^31 - 1 or a number
 # past 10^6 is no setting, only an overflow later (--dist-timeout 1e300: OverflowError in timedelta)
-COUNT_MAX, NUMBER_MAX = 2**31 - 1, 1e6
+COUNT_MAX, NUMBER_MAX = 2**31 - 1, 10**6
 positive_int, nonneg_int = bounded(int, 1, COUNT_MAX), bounded(int, 0, COUNT_MAX)
 # seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
 # paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress

@@ -123,11 +123,11 @@ PROBLEM_CASES = [
     (["--data", "{latin1}"], "{latin1}:2: not UTF-8 text"),
     (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
     (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got '1.5'"),
-    (["--max-context", "0"], "argument --max-context: expected an integer in [1, inf), got '0'"),
-    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer in [0, inf), got '-1'"),
-    (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, inf), got '-2'"),
-    (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
-    (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
+    (["--max-context", "0"], "argument --max-context: expected an integer in [1, 2147483647], got '0'"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer in [0, 2147483647], got '-1'"),
+    (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, 2147483647], got '-2'"),
+    (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, 1000000], got '0'"),
+    (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, 1000000], got 'nan'"),
     (["--data", "{surrogate}"], "{surrogate}:2: not UTF-8 text (surrogates not allowed)"),
     (["--data", "{dupkey}"], "{dupkey}:2: not valid JSON (the key 'answer' twice in one object)"),  # B24
     (["--data", "{nanextra}"], "{nanextra}:2: field 'weight': NaN or an infinity is not JSON"),  # B21
@@ -158,8 +158,8 @@ RESUME_CASES = [  # sft and grpo
     (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
 ]
 SAMPLER_CASES = [  # distill and evaluate
-    (["--limit", "-1"], "argument --limit: expected an integer in [0, inf), got '-1'"),
-    (["--temperature", "-1"], "argument --temperature: expected a number in [0, inf), got '-1'"),
+    (["--limit", "-1"], "argument --limit: expected an integer in [0, 2147483647], got '-1'"),
+    (["--temperature", "-1"], "argument --temperature: expected a number in [0, 1000000], got '-1'"),
 ]
 
 
@@ -176,8 +176,8 @@ def _argv(base, case, files):
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
-    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
-    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, inf), got '-2'"),
+    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, 2147483647], got '0'"),
+    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, 2147483647], got '-2'"),
     (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, 65536], got '0'"),
     (["--max-plan-share", "0"], "argument --max-plan-share: expected a number in (0, 1], got '0'"),
     (["--teacher", "no/such/model"], "argument --teacher: no/such/model: no such model folder or file"),
@@ -201,7 +201,7 @@ def test_distill_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
     (["--k", "0"], "argument --k: expected an integer in [1, 65536], got '0'"),
-    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer in [1, inf), got '0'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer in [1, 2147483647], got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
@@ -217,19 +217,19 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + [
     (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, 65536], got '0'"),
-    (["--max-num-seqs", "-1"], "argument --max-num-seqs: expected an integer in [0, inf), got '-1'"),
-    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
-    (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, inf), got '0'"),
-    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
-    (["--group-size", "1"], "argument --group-size: expected an integer in [2, inf), got '1'"),
-    (["--temperature", "0"], "argument --temperature: expected a number in (0, inf), got '0'"),
+    (["--max-num-seqs", "-1"], "argument --max-num-seqs: expected an integer in [0, 2147483647], got '-1'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, 2147483647], got '0'"),
+    (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, 2147483647], got '0'"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, 2147483647], got '0'"),
+    (["--group-size", "1"], "argument --group-size: expected an integer in [2, 65536], got '1'"),
+    (["--temperature", "0"], "argument --temperature: expected a number in (0, 1000000], got '0'"),
     (["--top-p", "0.9"], "--top-p 0.9: GRPO samples at top-p 1.0 (the paper's value): its loss takes each token's "
      "logprob over the whole vocabulary"),  # tests/faults.md G18
-    (["--lr", "inf"], "argument --lr: expected a number in (0, inf), got 'inf'"),
+    (["--lr", "inf"], "argument --lr: expected a number in (0, 1], got 'inf'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
-    (["--lr", "-1e-6"], "argument --lr: expected a number in (0, inf), got '-1e-6'"),
+    (["--lr", "-1e-6"], "argument --lr: expected a number in (0, 1], got '-1e-6'"),
     (["--prompts-per-step", "100000000"], "argument --prompts-per-step: expected an integer in [1, 65536], got"),
     (["--drop-solved", "{all_solved}"], "--drop-solved {all_solved}: every problem of {problems} was solved"),
     (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
@@ -249,13 +249,13 @@ def test_grpo_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--data", "{t_latin1}"], "{t_latin1}:2: not UTF-8 text"),
     (["--data", "{t_nocomp}"], "{t_nocomp}:2: needs 'problem' and 'completion'"),
     (["--data", "{t_type}"], "{t_type}:2: field 'completion' must be a string, got int"),
-    (["--epochs", "0"], "argument --epochs: expected an integer in [1, inf), got '0'"),
-    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
-    (["--global-batch", "0"], "argument --global-batch: expected an integer in [1, inf), got '0'"),
+    (["--epochs", "0"], "argument --epochs: expected an integer in [1, 2147483647], got '0'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, 2147483647], got '0'"),
+    (["--global-batch", "0"], "argument --global-batch: expected an integer in [1, 2147483647], got '0'"),
     (["--global-batch", "3", "--micro-batch", "2"], "--global-batch 3 is not a multiple of --micro-batch 2 x 1 ranks"),
-    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, 2147483647], got '0'"),
     (["--warmup", "1.5"], "argument --warmup: expected a number in [0, 1], got '1.5'"),
-    (["--max-len", "0"], "argument --max-len: expected an integer in [1, inf), got '0'"),
+    (["--max-len", "0"], "argument --max-len: expected an integer in [1, 2147483647], got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--resume", "{dir}"], "--resume {dir}: not a checkpoint directory (no trainer_state_rank0.pt"),
     (["--out", "{evaluate_run}"], "--out {evaluate_run} holds a run of evaluate.py ({evaluate_run}/args.json)"),
@@ -1166,3 +1166,26 @@ def test_a_dist_timeout_past_a_year_is_one_line_B43(stage, tiny_dir, files, tmp_
     argv = _good_argv(stage, tiny_dir, files, out) + ["--dist-timeout", "1e300"]
     assert _refused(STAGES[stage], argv, tmp_path, capsys, out).endswith(
         "argument --dist-timeout: expected a number in (0, 8760], got '1e300'")
+
+
+def test_a_giant_line_or_field_of_a_problems_file_is_refused_B44(files, tiny_dir, tmp_path, monkeypatch, capsys):
+    """One 60 MB line made evaluate.py grow past 11 GB without a word: a problems line past
+    4 MiB is refused naming file and line after reading 4 MiB of it, a text field past 1 MiB
+    naming the field; a 200 KB problem still reads (B4)."""
+    good = json.dumps(PROBLEMS[0]) + "\n"
+    giant = tmp_path / "giant.jsonl"
+    giant.write_text(good + json.dumps({"id": "g", "problem": "x" * 5 * 2**20, "answer": "1"}) + "\n")
+    with pytest.raises(ex.InputError, match=rf"^{giant}:2: a line of more than 4 MiB"):
+        ex.read_problems(str(giant))
+    long_field = tmp_path / "field.jsonl"
+    long_field.write_text(good + json.dumps({"id": "f", "problem": "?", "answer": "1", "choices": ["a", "y" * 2**21]})
+                          + "\n")
+    with pytest.raises(ex.InputError, match=rf"^{long_field}:2: field 'choices\[1\]' holds 2,097,152 characters"):
+        ex.read_problems(str(long_field))
+    fine = _jsonl(tmp_path / "fine.jsonl", [dict(PROBLEMS[0], problem="y" * 200_000)])
+    assert len(ex.read_problems(fine)[0]["problem"]) == 200_000
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    out = str(tmp_path / "new")
+    argv = _good_argv("evaluate", tiny_dir, files, out)
+    argv[argv.index("--data") + 1] = str(giant)
+    assert "giant.jsonl:2: a line of more than 4 MiB" in _refused(ev, argv, tmp_path, capsys, out)
