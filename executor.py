@@ -965,7 +965,11 @@ def multiple_choice_row(where: str, row: dict) -> None:
     (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
     [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
     InputError naming the field: a missing or blank question or option, a repeated option, a
-    letter that names no option."""
+    letter that names no option, and a row with fields of both forms (GPQA's replaced its own
+    `choices` and `answer` without a word: tests/faults.md B45)."""
+    if "Correct Answer" in row and (mixed := [k for k in ("problem", "question", "choices", "answer") if k in row]):
+        raise InputError(f"{where}: fields {', '.join(map(repr, mixed))} beside GPQA's 'Correct Answer': give one "
+                         "form of multiple-choice row (GPQA's, or problem / choices / answer)")
     if "Correct Answer" in row:
         keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
         question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)

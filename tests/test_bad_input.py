@@ -1189,3 +1189,14 @@ def test_a_giant_line_or_field_of_a_problems_file_is_refused_B44(files, tiny_dir
     argv = _good_argv("evaluate", tiny_dir, files, out)
     argv[argv.index("--data") + 1] = str(giant)
     assert "giant.jsonl:2: a line of more than 4 MiB" in _refused(ev, argv, tmp_path, capsys, out)
+
+
+def test_a_row_with_gpqa_fields_and_its_own_choices_is_refused_B45(tmp_path):
+    """A row with GPQA's fields and its own `choices` / `answer` got GPQA's options and gold
+    without a word."""
+    gpqa = {"Question": "Which gas?", "Correct Answer": "Nitrogen", "Incorrect Answer 1": "Oxygen",
+            "Incorrect Answer 2": "Argon", "Incorrect Answer 3": "Neon"}
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [dict(PROBLEMS[0]), dict(gpqa, id="m", choices=["a", "b"], answer="B")])
+    with pytest.raises(ex.InputError, match=rf"^{mixed}:2: fields 'choices', 'answer' beside GPQA's 'Correct Answer'"):
+        ex.read_problems(mixed)
+    assert ex.read_problems(_jsonl(tmp_path / "gpqa.jsonl", [dict(gpqa, id="g")]))[0]["choices"]
