@@ -586,7 +586,8 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         InputError (one line naming the path): --out fails `executor.check_out` (its inputs:
             --model, --data, --drop-solved); --resume is not a checkpoint of this stage
             (no trainer state, or another stage's), or its args.json differs in one of
-            `same` (what decides the run's data and loss), or its trainer state is cut, or a
+            `same` (what decides the run's data and loss) or in a --model given (the
+            checkpoint's own then stays in args.model), or its trainer state is cut, or a
             log in --out has a bad line (tests/faults.md B20); --out is a live run's (locked,
             B16); or --out already holds a run
             (one of `run_files`) and no --resume was given: a fresh run there would
@@ -609,7 +610,10 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         if (other := saved.get("stage", "grpo" if "group_size" in saved else "sft")) != stage:
             raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
                                       f"its weights with --model {resume}")
-        executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
+        # the weights are the checkpoint's: args.json names the model they grew from (tests/faults.md B46)
+        given = (("model",) if args.model != executor.DEFAULT_POLICY else ())
+        executor.check_same_args(os.path.join(resume, "args.json"), args, (*same, *given), f"the steps of {resume}")
+        args.model = saved.get("model", args.model)
         check_optimizer_layout(resume, saved, args)
         for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before any write
             executor.read_jsonl_tolerant(log)

@@ -1200,3 +1200,23 @@ def test_a_row_with_gpqa_fields_and_its_own_choices_is_refused_B45(tmp_path):
     with pytest.raises(ex.InputError, match=rf"^{mixed}:2: fields 'choices', 'answer' beside GPQA's 'Correct Answer'"):
         ex.read_problems(mixed)
     assert ex.read_problems(_jsonl(tmp_path / "gpqa.jsonl", [dict(gpqa, id="g")]))[0]["choices"]
+
+
+def test_a_resume_with_another_model_is_refused_B46(tiny_dir, files, tmp_path, capsys):
+    """`--resume` with another `--model` was accepted and args.json then named a model the
+    weights are not from; a resume without --model keeps the checkpoint's (it named the
+    packaged default)."""
+    out, other = str(tmp_path / "g"), str(tmp_path / "other")
+    shutil.copytree(tiny_dir, other)
+    argv = ["--data", files["problems"], "--out", out, *GRPO_FLAGS]
+    assert ex.cli(grpo.main, argv + ["--model", tiny_dir, "--steps", "1"]) == 0
+    latest = os.path.join(out, "latest")
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    assert ex.cli(grpo.main, argv + ["--model", other, "--steps", "2", "--resume", latest]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"grpo.py: error: {latest}/args.json: the steps of {latest} were "
+                                                    f"made with --model {tiny_dir!r}, this run has {other!r}: rerun "
+                                                    "with the same, or use another --out"]
+    assert _tree(tmp_path) == before
+    assert ex.cli(grpo.main, argv + ["--steps", "2", "--resume", latest]) == 0
+    assert json.load(open(os.path.join(out, "args.json")))["model"] == tiny_dir
