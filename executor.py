@@ -2120,6 +2120,10 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     if missing := sorted(info["missing_keys"]) + sorted(info["mismatched_keys"]):
         raise InputError(f"{where}: {len(missing)} weights of its config.json are not in its weight files "
                          f"(e.g. {', '.join(map(str, missing[:3]))}): a damaged or mismatched model")
+    # transformers builds an empty tokenizer for a folder without its files (tests/faults.md B47)
+    if not tokenizer("1 + 1", add_special_tokens=False)["input_ids"]:
+        raise InputError(f"{where}: no tokenizer files (tokenizer.json; vocab.json and merges.txt; or "
+                         "tokenizer.model): its tokenizer encodes no text")
     if not getattr(tokenizer, "chat_template", None):
         raise InputError(f"{where}: no chat template in its tokenizer files (tokenizer_config.json, "
                          "chat_template.jinja): the stages write their prompts with it")

@@ -871,7 +871,7 @@ DAMAGED = {  # B29, B30: a copy of the tiny model with one thing wrong -> the me
     "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0), "(SafetensorError: Error while deserializing"),
     "garbage weights": (lambda d: open(f"{d}/model.safetensors", "wb").write(b"garbage" * 100), "(SafetensorError:"),
     "no tokenizer": (lambda d: [os.remove(f"{d}/{f}") for f in ("tokenizer.json", "tokenizer_config.json",
-                                                               "chat_template.jinja")], ": no chat template in its"),
+                                                               "chat_template.jinja")], ": no tokenizer files ("),
     "no chat template": (lambda d: os.remove(f"{d}/chat_template.jinja"), ": no chat template in its tokenizer files"),
     "unknown model type": (lambda d: _edit_config(d, model_type="nosuchmodel"),
                            "(ValueError: The checkpoint you are trying to load has model type `nosuchmodel`"),
@@ -1220,3 +1220,18 @@ def test_a_resume_with_another_model_is_refused_B46(tiny_dir, files, tmp_path, c
     assert _tree(tmp_path) == before
     assert ex.cli(grpo.main, argv + ["--steps", "2", "--resume", latest]) == 0
     assert json.load(open(os.path.join(out, "args.json")))["model"] == tiny_dir
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_model_folder_without_tokenizer_files_is_one_line_B47(stage, tiny_dir, files, tmp_path, capsys):
+    """A model folder with its chat template but no tokenizer files: transformers built an
+    empty tokenizer, and evaluate ended in a traceback ("every prompt needs at least one
+    token"); now one line naming the folder and the files it lacks, nothing written."""
+    model = str(tmp_path / "m")
+    shutil.copytree(tiny_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(model, name))
+    out = str(tmp_path / "out")
+    msg = _refused(GOOD[stage][0], _good_argv(stage, model, files, out), tmp_path, capsys, None)
+    assert msg == f"{stage}.py: error: {model}: no tokenizer files (tokenizer.json; vocab.json and merges.txt; or " \
+                  "tokenizer.model): its tokenizer encodes no text"
