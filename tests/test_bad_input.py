@@ -1235,3 +1235,44 @@ def test_a_model_folder_without_tokenizer_files_is_one_line_B47(stage, tiny_dir,
     msg = _refused(GOOD[stage][0], _good_argv(stage, model, files, out), tmp_path, capsys, None)
     assert msg == f"{stage}.py: error: {model}: no tokenizer files (tokenizer.json; vocab.json and merges.txt; or " \
                   "tokenizer.model): its tokenizer encodes no text"
+
+
+USER_REWARDS = {  # the reward file's body -> the end of the one line
+    "raises": ("def reward(samples, problems):\n    out = []\n    for s, p in zip(samples, problems):\n"
+               "        out.append(1 / (len(out) - 2))\n    return out\n",
+               "raised ZeroDivisionError: division by zero at r.py:4, on sample 2 (problem 'q0')"),
+    "exits": "def reward(samples, problems):\n    import sys\n    sys.exit(3)\n",
+    "at load": "import sys\nsys.exit('no config')\n\ndef reward(samples, problems):\n    return [0.0] * len(samples)\n",
+}
+
+
+@pytest.mark.parametrize("case", list(USER_REWARDS))
+def test_a_user_reward_that_raises_or_exits_is_one_line_B48(case, tmp_path, monkeypatch):
+    """A --reward function that raised ended in a traceback that did not say it came from the
+    user's function, nor on which sample; sys.exit (in it or as its file loads) ended the run
+    with the user's code and no word."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    body = USER_REWARDS[case]
+    (tmp_path / "r.py").write_text(body[0] if isinstance(body, tuple) else body)
+    spec = f"{tmp_path / 'r.py'}:reward"
+    with pytest.raises(ex.InputError) as e:
+        grpo.batch_rewards(grpo.load_reward(spec), four_samples(), [PROBLEMS[0]] * 4, step=1)
+    want = {"raises": f"--reward {spec} {body[1] if isinstance(body, tuple) else ''}",
+            "exits": f"--reward {spec} raised SystemExit: 3 at r.py:3, on one of its 4 samples",
+            "at load": f"--reward {spec}: loading {tmp_path / 'r.py'} raised SystemExit: no config at r.py:2"}[case]
+    assert str(e.value) == want
+
+
+def test_a_user_reward_that_raises_stops_the_run_in_one_line_B48(files, tiny_dir, tmp_path, capsys, monkeypatch):
+    """Through the command line: exit 2, the one line, no step logged."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "r.py").write_text("def reward(samples, problems):\n    return [s.nope for s in samples]\n")
+    out = str(tmp_path / "run")
+    argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, *GRPO_FLAGS, "--steps", "1",
+            "--reward", f"{tmp_path / 'r.py'}:reward"]
+    assert ex.cli(grpo.main, argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"grpo.py: error: --reward {tmp_path / 'r.py'}:reward raised "
+                                               "AttributeError: 'Sample' object has no attribute 'nope' at r.py:2, "
+                                               "on sample 0 (problem "), err
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
