@@ -194,16 +194,11 @@ def _raised(e: BaseException) -> str:
 
 def _failed_on(e: BaseException, samples, problems) -> str:
     """Which sample the failed reward call was on: the one a frame's variable holds (innermost
-    first), else the problem one holds, else the batch."""
+    frame first), else the batch."""
     index = {id(s): i for i, s in enumerate(samples)}
-    frames = [f for f, _ in traceback.walk_tb(e.__traceback__)][::-1]
-    for f in frames:
+    for f, _ in reversed(list(traceback.walk_tb(e.__traceback__))):
         if hits := [index[id(v)] for v in f.f_locals.values() if id(v) in index]:
             return f"sample {hits[0]} (problem {problems[hits[0]]['id']!r})"
-    ids = {id(p): p["id"] for p in problems}
-    for f in frames:
-        if hits := [ids[id(v)] for v in f.f_locals.values() if id(v) in ids]:
-            return f"a sample of problem {hits[0]!r}"
     return f"one of its {len(samples)} samples"
 
 
