@@ -976,7 +976,11 @@ def multiple_choice_row(where: str, row: dict) -> None:
     (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
     [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
     InputError naming the field: a missing or blank question or option, a repeated option, a
-    letter that names no option."""
+    letter that names no option, and a row with fields of both forms (GPQA's replaced its own
+    `choices` and `answer` without a word: tests/faults.md B45)."""
+    if "Correct Answer" in row and (mixed := [k for k in ("problem", "question", "choices", "answer") if k in row]):
+        raise InputError(f"{where}: fields {', '.join(map(repr, mixed))} beside GPQA's 'Correct Answer': give one "
+                         "form of multiple-choice row (GPQA's, or problem / choices / answer)")
     if "Correct Answer" in row:
         keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
         question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
@@ -2130,6 +2134,10 @@ def load_model(path: str, dtype: str | None = None, device="cpu"):
     if missing := sorted(info["missing_keys"]) + sorted(info["mismatched_keys"]):
         raise InputError(f"{where}: {len(missing)} weights of its config.json are not in its weight files "
                          f"(e.g. {', '.join(map(str, missing[:3]))}): a damaged or mismatched model")
+    # transformers builds an empty tokenizer for a folder without its files (tests/faults.md B47)
+    if not tokenizer("1 + 1", add_special_tokens=False)["input_ids"]:
+        raise InputError(f"{where}: no tokenizer files (tokenizer.json; vocab.json and merges.txt; or "
+                         "tokenizer.model): its tokenizer encodes no text")
     if not getattr(tokenizer, "chat_template", None):
         raise InputError(f"{where}: no chat template in its tokenizer files (tokenizer_config.json, "
                          "chat_template.jinja): the stages write their prompts with it")
@@ -2322,35 +2330,51 @@ def _unique_keys(pairs: list) -> dict:
     return obj
 
 
-def read_jsonl(path: str, torn_tail_ok: bool = False, **json_kw):
+# the longest JSONL line read: a sample or trajectory row (32K tokens, 40 outputs) is under 1 MiB
+LINE_MAX = 16 * 2**20
+
+
+def read_jsonl(path: str, torn_tail_ok: bool = False, max_line: int = LINE_MAX, **json_kw):
     """Yield (line number, object) for each non-blank line of a JSONL file (`json_kw` go to
     json.loads). With `torn_tail_ok`, a last line without its newline (a write cut by a
     kill) that does not parse is ignored. Raises InputError naming file and line: bytes
-    that are not UTF-8, a line that is not JSON or not an object."""
+    that are not UTF-8, a line that is not JSON or not an object, a line of more than
+    `max_line` bytes (read no further than that: tests/faults.md B44)."""
     with open(path, "rb") as f:
-        lines = f.readlines()
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
-            row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
-            json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-        except RecursionError:
-            raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-        except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
-            if torn_tail_ok and lineno == len(lines) and not raw.endswith(b"\n"):
-                return
-            what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
-                f"not valid JSON ({getattr(e, 'msg', e)})"
-            if "int_max_str_digits" in str(e):
-                what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
-            raise InputError(f"{path}:{lineno}: {what}") from None
-        if not isinstance(row, dict):
-            raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        yield lineno, row
+        for lineno, raw in enumerate(iter(functools.partial(f.readline, max_line + 1), b""), 1):
+            if len(raw) > max_line:
+                raise InputError(f"{path}:{lineno}: a line of more than {max_line / 2**20:g} MiB: no row of this "
+                                 "project is that long (a damaged or wrong file?)")
+            if (row := _jsonl_row(path, lineno, raw, torn_tail_ok, json_kw)) is not None:
+                yield lineno, row
 
 
+def _jsonl_row(path: str, lineno: int, raw: bytes, torn_tail_ok: bool, json_kw: dict):
+    """One line of `read_jsonl` as an object; None for a blank line or an ignored torn tail."""
+    if not raw.strip():
+        return None
+    try:
+        # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+        row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
+        json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+    except RecursionError:
+        raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+    except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
+        if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
+            return None
+        what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+            f"not valid JSON ({getattr(e, 'msg', e)})"
+        if "int_max_str_digits" in str(e):
+            what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
+        raise InputError(f"{path}:{lineno}: {what}") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+# a problem's text field (the question, an option, the answer) and its whole line: 1 MiB is
+# about 250,000 tokens, past any --max-context these stages run at (tests/faults.md B44)
+FIELD_MAX, PROBLEM_LINE_MAX = 2**20, 4 * 2**20
 
 
 class _Float(float):
@@ -2367,7 +2391,7 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
     """One text field of a problems line as a stripped, non-blank string. A number (answers
     only) is taken from its JSON text: an integer keeps its digits, an integral float
     becomes an integer (1e23 -> "100000000000000000000000"), another float stays as written;
-    NaN and infinities (1e400 included) are refused."""
+    NaN and infinities (1e400 included) are refused, and text of more than FIELD_MAX characters."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (isinstance(value, str) or numbers_ok and number):
         want = "a string or a number" if numbers_ok else "a string"
@@ -2379,6 +2403,8 @@ def _problem_value(where: str, key: str, value, numbers_ok: bool) -> str:
         value = int(exact) if exact == exact.to_integral_value() else value.text
     if not (value := str(value).strip()):
         raise InputError(f"{where}: field '{key}' is blank")
+    if len(value) > FIELD_MAX:
+        raise InputError(f"{where}: field '{key}' holds {len(value):,} characters, more than {FIELD_MAX:,}")
     return value
 
 
@@ -2398,11 +2424,12 @@ def read_problems(path: str) -> list:
         InputError (a ValueError) naming the file, the line and the field: bytes that are
             not UTF-8, a line that is not a JSON object, has no problem or no answer, a
             field of the wrong type, blank or not finite, an integer over Python's
-            int-str limit, a repeated id, or a file without any problem.
+            int-str limit, a repeated id, or a file without any problem; a line past
+            PROBLEM_LINE_MAX bytes or a text field past FIELD_MAX characters.
     """
     out, first_line = [], {}
     stem = os.path.splitext(os.path.basename(path))[0]
-    for lineno, row in read_jsonl(path, parse_float=_Float, parse_constant=_Float):
+    for lineno, row in read_jsonl(path, max_line=PROBLEM_LINE_MAX, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
         pid = row.get("id", row.get("Record ID"))   # (GPQA's rows name themselves "Record ID")
         pid = f"{stem}-{lineno}" if pid is None else pid
@@ -2619,11 +2646,14 @@ def bounded(kind, low, high=math.inf, low_open=False):
     return parse
 
 
-positive_int, nonneg_int = bounded(int, 1), bounded(int, 0)
+# every numeric flag has a finite range (tests/faults.md B43): a count past 2^31 - 1 or a number
+# past 10^6 is no setting, only an overflow later (--dist-timeout 1e300: OverflowError in timedelta)
+COUNT_MAX, NUMBER_MAX = 2**31 - 1, 10**6
+positive_int, nonneg_int = bounded(int, 1, COUNT_MAX), bounded(int, 0, COUNT_MAX)
 # seeds: numpy's are below 2^32 and rank r adds r; sizes: samples or prompts held at once (the
 # paper's GRPO step holds 1,024 sequences), beyond which a run would only stall before any progress
 seed_int, size_int = bounded(int, 0, 2**31 - 1), bounded(int, 1, 2**16)
-positive_float, nonneg_float = bounded(float, 0, low_open=True), bounded(float, 0)
+positive_float, nonneg_float = bounded(float, 0, NUMBER_MAX, low_open=True), bounded(float, 0, NUMBER_MAX)
 unit_float, fraction = bounded(float, 0, 1, low_open=True), bounded(float, 0, 1)  # (0, 1] and [0, 1]
 
 

@@ -68,7 +68,7 @@ Departures from the paper (which does not describe these details):
      fp32 sampler on CPU gives weights of 1 to ~1e-7 (a tiny model's mean gap: 1.8e-7);
      --tis-cap 0 turns it off.
 """
-import argparse, datetime, hashlib, inspect, math, numbers, os, random, runpy, sys, time
+import argparse, datetime, functools, hashlib, inspect, math, numbers, os, random, runpy, sys, time, traceback
 from dataclasses import dataclass
 
 import torch
@@ -155,14 +155,51 @@ def answer_reward(samples, problems, args=None) -> list:
 def load_reward(spec: str):
     """The function named by --reward FILE.py:FUNCTION, run from that file, whose folder is
     put on sys.path (a helper module beside it imports). Raises InputError when the file or
-    the function is missing (`--reward ''` included)."""
+    the function is missing (`--reward ''` included), or the file raises or exits as it loads.
+    The function returned raises InputError, one line, when the user's raises or exits
+    (`user_reward`)."""
     path, _, name = spec.rpartition(":")
     if path.endswith(".py") and os.path.isfile(path):
         sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    fn = runpy.run_path(path).get(name) if path.endswith(".py") and os.path.isfile(path) else None
+    try:
+        fn = runpy.run_path(path).get(name) if path.endswith(".py") and os.path.isfile(path) else None
+    except (Exception, SystemExit) as e:  # (a syntax error, a failed import, sys.exit at the top of the file)
+        raise executor.InputError(f"--reward {spec}: loading {path} raised {_raised(e)}") from None
     if not callable(fn):
         raise executor.InputError(f"--reward {spec}: expected FILE.py:FUNCTION, a function of an existing file")
-    return fn
+    return user_reward(fn, spec)
+
+
+def user_reward(fn, spec: str):
+    """`fn` (--reward `spec`) called as it is, except that an exception it raises, or sys.exit,
+    becomes one line saying so: the user's function, the sample (and its problem) it was on, the exception and
+    where (a traceback deep in grpo.py did not say whose code failed, nor on which sample:
+    tests/faults.md B48). The sample is the one a frame of the failed call held as a variable."""
+    @functools.wraps(fn)  # (the same signature: batch_rewards passes `args` to a reward that names it)
+    def call(samples, problems, **kw):
+        try:
+            return fn(samples, problems, **kw)
+        except (Exception, SystemExit) as e:
+            raise executor.InputError(f"--reward {spec} raised {_raised(e)}, on "
+                                      f"{_failed_on(e, samples, problems)}") from None
+    return call
+
+
+def _raised(e: BaseException) -> str:
+    """`Type: message at file:line`, the line the innermost frame of the exception's traceback ran."""
+    where = traceback.extract_tb(e.__traceback__)[-1:]
+    at = f" at {os.path.basename(where[0].filename)}:{where[0].lineno}" if where else ""
+    return f"{type(e).__name__}: {str(e).strip() or '?'}"[:300] + at
+
+
+def _failed_on(e: BaseException, samples, problems) -> str:
+    """Which sample the failed reward call was on: the one a frame's variable holds (innermost
+    frame first), else the batch."""
+    index = {id(s): i for i, s in enumerate(samples)}
+    for f, _ in reversed(list(traceback.walk_tb(e.__traceback__))):
+        if hits := [index[id(v)] for v in f.f_locals.values() if id(v) in index]:
+            return f"sample {hits[0]} (problem {problems[hits[0]]['id']!r})"
+    return f"one of its {len(samples)} samples"
 
 
 def batch_rewards(reward_fn, samples, problems, step: int = 0, args=None) -> torch.Tensor:
@@ -668,7 +705,7 @@ def parse_args(argv=None):
     # GRPO
     p.add_argument("--steps", type=executor.nonneg_int, default=280, help="last step (a counter --resume continues)")
     p.add_argument("--prompts-per-step", type=executor.size_int, default=128, help="prompts a step, all ranks")
-    p.add_argument("--group-size", type=executor.bounded(int, 2), default=8, help="G: samples per prompt (>= 2)")
+    p.add_argument("--group-size", type=executor.bounded(int, 2, 2**16), default=8, help="G: samples per prompt (>= 2)")
     p.add_argument("--updates-per-step", type=executor.positive_int, default=1, help="updates a rollout; 1 = on-policy")
     p.add_argument("--eps-low", type=executor.fraction, default=0.20, help="clip: ratio >= 1 - eps_low")
     p.add_argument("--eps-high", type=executor.nonneg_float, default=0.28, help="clip: ratio <= 1 + eps_high")
@@ -689,7 +726,7 @@ def parse_args(argv=None):
     p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
     # optimisation and run
-    p.add_argument("--lr", type=executor.positive_float, default=1e-6, help="AdamW learning rate, constant")
+    p.add_argument("--lr", type=executor.unit_float, default=1e-6, help="AdamW learning rate, constant")
     p.add_argument("--save-every", type=executor.nonneg_int, default=1, help="steps a write of latest/; 0 = at the end")
     p.add_argument("--save-optimizer", action=argparse.BooleanOptionalAction, default=True, help="AdamW in checkpoints")
     # the flags shared with sft.py: --micro-batch, --weight-decay, --grad-clip, --chunk-size, --seed,

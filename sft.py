@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import executor
 from executor import (ROLE_MODEL, ROLE_OUTPUT, ROLE_PAD, ROLE_PROMPT, fraction, input_file, model_path,
-                      nonneg_float, nonneg_int, positive_float, positive_int)
+                      nonneg_float, nonneg_int, positive_int)
 
 # -----------------------------------------------------------------------------
 # Distributed setup
@@ -586,7 +586,8 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         InputError (one line naming the path): --out fails `executor.check_out` (its inputs:
             --model, --data, --drop-solved); --resume is not a checkpoint of this stage
             (no trainer state, or another stage's), or its args.json differs in one of
-            `same` (what decides the run's data and loss), or its trainer state is cut, or a
+            `same` (what decides the run's data and loss) or in a --model given (the
+            checkpoint's own then stays in args.model), or its trainer state is cut, or a
             log in --out has a bad line (tests/faults.md B20); --out is a live run's (locked,
             B16); or --out already holds a run
             (one of `run_files`) and no --resume was given: a fresh run there would
@@ -609,7 +610,10 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         if (other := saved.get("stage", "grpo" if "group_size" in saved else "sft")) != stage:
             raise executor.InputError(f"--resume {resume}: a checkpoint of {other}.py, not of {prog}: start from "
                                       f"its weights with --model {resume}")
-        executor.check_same_args(os.path.join(resume, "args.json"), args, same, f"the steps of {resume}")
+        # the weights are the checkpoint's: args.json names the model they grew from (tests/faults.md B46)
+        given = (("model",) if args.model != executor.DEFAULT_POLICY else ())
+        executor.check_same_args(os.path.join(resume, "args.json"), args, (*same, *given), f"the steps of {resume}")
+        args.model = saved.get("model", args.model)
         check_optimizer_layout(resume, saved, args)
         for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before any write
             executor.read_jsonl_tolerant(log)
@@ -772,7 +776,7 @@ def parse_args(argv=None):
     p.add_argument("--stateful", action="store_true",
                    help="trajectories distilled with --stateful: train under the stateful system prompt")
     # optimisation
-    p.add_argument("--lr", type=positive_float, default=7e-6, help="peak learning rate")
+    p.add_argument("--lr", type=executor.unit_float, default=7e-6, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.0, help="cosine floor, fraction of --lr")
     p.add_argument("--warmup", type=fraction, default=0.03, help="warmup share of all steps (0 = none)")
     p.add_argument("--epochs", type=positive_int, default=3, help="passes over the data")
@@ -794,8 +798,9 @@ def add_training_args(p):
     # system
     p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
-    p.add_argument("--dist-timeout", type=positive_float, default=24.0,
-                   help="hours a collective waits for the slowest rank (a step's rollouts, a save); torch's: 10 min")
+    p.add_argument("--dist-timeout", type=executor.bounded(float, 0, 8760, low_open=True), default=24.0,
+                   help="hours (a year at most) a collective waits for the slowest rank (a step's rollouts, a save); "
+                   "torch's: 10 min")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")

@@ -123,11 +123,11 @@ PROBLEM_CASES = [
     (["--data", "{latin1}"], "{latin1}:2: not UTF-8 text"),
     (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
     (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got '1.5'"),
-    (["--max-context", "0"], "argument --max-context: expected an integer in [1, inf), got '0'"),
-    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer in [0, inf), got '-1'"),
-    (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, inf), got '-2'"),
-    (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, inf), got '0'"),
-    (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, inf), got 'nan'"),
+    (["--max-context", "0"], "argument --max-context: expected an integer in [1, 2147483647], got '0'"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer in [0, 2147483647], got '-1'"),
+    (["--max-tool-calls", "-2"], "argument --max-tool-calls: expected an integer in [0, 2147483647], got '-2'"),
+    (["--exec-timeout", "0"], "argument --exec-timeout: expected a number in (0, 1000000], got '0'"),
+    (["--exec-timeout", "nan"], "argument --exec-timeout: expected a number in (0, 1000000], got 'nan'"),
     (["--data", "{surrogate}"], "{surrogate}:2: not UTF-8 text (surrogates not allowed)"),
     (["--data", "{dupkey}"], "{dupkey}:2: not valid JSON (the key 'answer' twice in one object)"),  # B24
     (["--data", "{nanextra}"], "{nanextra}:2: field 'weight': NaN or an infinity is not JSON"),  # B21
@@ -158,8 +158,8 @@ RESUME_CASES = [  # sft and grpo
     (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
 ]
 SAMPLER_CASES = [  # distill and evaluate
-    (["--limit", "-1"], "argument --limit: expected an integer in [0, inf), got '-1'"),
-    (["--temperature", "-1"], "argument --temperature: expected a number in [0, inf), got '-1'"),
+    (["--limit", "-1"], "argument --limit: expected an integer in [0, 2147483647], got '-1'"),
+    (["--temperature", "-1"], "argument --temperature: expected a number in [0, 1000000], got '-1'"),
 ]
 
 
@@ -176,8 +176,8 @@ def _argv(base, case, files):
 
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
-    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, inf), got '0'"),
-    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, inf), got '-2'"),
+    (["--batch-size", "0"], "argument --batch-size: expected an integer in [1, 2147483647], got '0'"),
+    (["--batch-size", "-2"], "argument --batch-size: expected an integer in [1, 2147483647], got '-2'"),
     (["--samples-per-problem", "0"], "argument --samples-per-problem: expected an integer in [1, 65536], got '0'"),
     (["--max-plan-share", "0"], "argument --max-plan-share: expected a number in (0, 1], got '0'"),
     (["--teacher", "no/such/model"], "argument --teacher: no/such/model: no such model folder or file"),
@@ -201,7 +201,7 @@ def test_distill_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + SAMPLER_CASES + [
     (["--k", "0"], "argument --k: expected an integer in [1, 65536], got '0'"),
-    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer in [1, inf), got '0'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer in [1, 2147483647], got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
@@ -217,19 +217,19 @@ def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", PROBLEM_CASES + [
     (["--prompts-per-step", "0"], "argument --prompts-per-step: expected an integer in [1, 65536], got '0'"),
-    (["--max-num-seqs", "-1"], "argument --max-num-seqs: expected an integer in [0, inf), got '-1'"),
-    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
-    (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, inf), got '0'"),
-    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
-    (["--group-size", "1"], "argument --group-size: expected an integer in [2, inf), got '1'"),
-    (["--temperature", "0"], "argument --temperature: expected a number in (0, inf), got '0'"),
+    (["--max-num-seqs", "-1"], "argument --max-num-seqs: expected an integer in [0, 2147483647], got '-1'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, 2147483647], got '0'"),
+    (["--updates-per-step", "0"], "argument --updates-per-step: expected an integer in [1, 2147483647], got '0'"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, 2147483647], got '0'"),
+    (["--group-size", "1"], "argument --group-size: expected an integer in [2, 65536], got '1'"),
+    (["--temperature", "0"], "argument --temperature: expected a number in (0, 1000000], got '0'"),
     (["--top-p", "0.9"], "--top-p 0.9: GRPO samples at top-p 1.0 (the paper's value): its loss takes each token's "
      "logprob over the whole vocabulary"),  # tests/faults.md G18
-    (["--lr", "inf"], "argument --lr: expected a number in (0, inf), got 'inf'"),
+    (["--lr", "inf"], "argument --lr: expected a number in (0, 1], got 'inf'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--out", "{sft_run}"], "--out {sft_run} holds a run of sft.py ({sft_run}/args.json)"),
     (["--out", "{plain}"], "--out {plain}: a file, not a folder"),
-    (["--lr", "-1e-6"], "argument --lr: expected a number in (0, inf), got '-1e-6'"),
+    (["--lr", "-1e-6"], "argument --lr: expected a number in (0, 1], got '-1e-6'"),
     (["--prompts-per-step", "100000000"], "argument --prompts-per-step: expected an integer in [1, 65536], got"),
     (["--drop-solved", "{all_solved}"], "--drop-solved {all_solved}: every problem of {problems} was solved"),
     (["--drop-solved", "{bad_rate}"], "{bad_rate}:1: not a pass-rate record (id, integers n > 0 and 0 <= correct"),
@@ -249,13 +249,13 @@ def test_grpo_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--data", "{t_latin1}"], "{t_latin1}:2: not UTF-8 text"),
     (["--data", "{t_nocomp}"], "{t_nocomp}:2: needs 'problem' and 'completion'"),
     (["--data", "{t_type}"], "{t_type}:2: field 'completion' must be a string, got int"),
-    (["--epochs", "0"], "argument --epochs: expected an integer in [1, inf), got '0'"),
-    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, inf), got '0'"),
-    (["--global-batch", "0"], "argument --global-batch: expected an integer in [1, inf), got '0'"),
+    (["--epochs", "0"], "argument --epochs: expected an integer in [1, 2147483647], got '0'"),
+    (["--micro-batch", "0"], "argument --micro-batch: expected an integer in [1, 2147483647], got '0'"),
+    (["--global-batch", "0"], "argument --global-batch: expected an integer in [1, 2147483647], got '0'"),
     (["--global-batch", "3", "--micro-batch", "2"], "--global-batch 3 is not a multiple of --micro-batch 2 x 1 ranks"),
-    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, inf), got '0'"),
+    (["--chunk-size", "0"], "argument --chunk-size: expected an integer in [1, 2147483647], got '0'"),
     (["--warmup", "1.5"], "argument --warmup: expected a number in [0, 1], got '1.5'"),
-    (["--max-len", "0"], "argument --max-len: expected an integer in [1, inf), got '0'"),
+    (["--max-len", "0"], "argument --max-len: expected an integer in [1, 2147483647], got '0'"),
     (["--model", "no/such/model"], "argument --model: no/such/model: no such model folder or file"),
     (["--resume", "{dir}"], "--resume {dir}: not a checkpoint directory (no trainer_state_rank0.pt"),
     (["--out", "{evaluate_run}"], "--out {evaluate_run} holds a run of evaluate.py ({evaluate_run}/args.json)"),
@@ -876,7 +876,7 @@ DAMAGED = {  # B29, B30: a copy of the tiny model with one thing wrong -> the me
     "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0), "(SafetensorError: Error while deserializing"),
     "garbage weights": (lambda d: open(f"{d}/model.safetensors", "wb").write(b"garbage" * 100), "(SafetensorError:"),
     "no tokenizer": (lambda d: [os.remove(f"{d}/{f}") for f in ("tokenizer.json", "tokenizer_config.json",
-                                                               "chat_template.jinja")], ": no chat template in its"),
+                                                               "chat_template.jinja")], ": no tokenizer files ("),
     "no chat template": (lambda d: os.remove(f"{d}/chat_template.jinja"), ": no chat template in its tokenizer files"),
     "unknown model type": (lambda d: _edit_config(d, model_type="nosuchmodel"),
                            "(ValueError: The checkpoint you are trying to load has model type `nosuchmodel`"),
@@ -971,7 +971,7 @@ def test_damaged_resumes_are_refused_before_any_write_B20(tiny_dir, files, tmp_p
     for name, damage, where, msg in (
             ("state", cut, "latest/trainer_state_rank0.pt", "{path}: a damaged trainer state (a cut file?)"),
             ("weights", cut, "latest/model.safetensors", "{out}/latest: not a model this code can load (SafetensorError"),
-            ("tokenizer", os.remove, "latest/tokenizer_config.json", "{out}/latest: no chat template in its tokenizer"),
+            ("tokenizer", os.remove, "latest/tokenizer_config.json", "{out}/latest: no tokenizer files ("),
             ("log", torn_middle, "metrics.jsonl", "{path}:1: not valid JSON")):
         out = str(tmp_path / name)
         shutil.copytree(run, out)
@@ -1125,3 +1125,159 @@ def test_a_closed_pipe_and_an_ascii_terminal_are_no_traceback_B36(evaluation, tm
     r = _samples_cli(evaluation, env={"PYTHONIOENCODING": "ascii"}, stdout=subprocess.PIPE)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "caf\\xe9 \\u2211" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# 14) round 4: numbers past any setting, giant lines, mixed problem forms, --resume with another
+# --model, a model without tokenizer files, a user's reward that raises
+
+
+STAGES = {"distill": distill, "evaluate": ev, "grpo": grpo, "sft": sft, "executor": ex}
+
+
+def _numeric_flags(module, monkeypatch):
+    """Every numeric flag (an `executor.bounded` type) of a stage's parser."""
+    parsers = []
+
+    class Recording(ex.ArgumentParser):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            parsers.append(self)
+
+    monkeypatch.setattr(ex, "ArgumentParser", Recording)
+    with pytest.raises(SystemExit):  # (--help: the stage's parser is built, then exits)
+        (module.main if module is ex else module.parse_args)(["--help"])
+    return [a.option_strings[0] for a in parsers[0]._actions
+            if a.option_strings and getattr(a.type, "__qualname__", "").startswith("bounded")]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_numeric_flag_has_a_finite_range_B43(stage, monkeypatch, capsys):
+    """`--dist-timeout 1e300` (sft, grpo) ended in an OverflowError traceback from timedelta,
+    and every float flag took 1e300, every integer one 10^40: each is refused at parse time
+    with the range it allows."""
+    flags = _numeric_flags(STAGES[stage], monkeypatch)
+    capsys.readouterr()
+    assert len(flags) >= 3
+    for flag in flags:
+        for value in ("1e300", "1" + "0" * 40):
+            with pytest.raises(ex.InputError, match=rf"argument {flag}: expected .* in [([].*], got '{value}'"):
+                STAGES[stage].parse_args([flag, value]) if stage != "executor" else ex.main(["x.py", flag, value])
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_a_dist_timeout_past_a_year_is_one_line_B43(stage, tiny_dir, files, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    argv = _good_argv(stage, tiny_dir, files, out) + ["--dist-timeout", "1e300"]
+    assert _refused(STAGES[stage], argv, tmp_path, capsys, out).endswith(
+        "argument --dist-timeout: expected a number in (0, 8760], got '1e300'")
+
+
+def test_a_giant_line_or_field_of_a_problems_file_is_refused_B44(files, tiny_dir, tmp_path, monkeypatch, capsys):
+    """One 60 MB line made evaluate.py grow past 11 GB without a word: a problems line past
+    4 MiB is refused naming file and line after reading 4 MiB of it, a text field past 1 MiB
+    naming the field; a 200 KB problem still reads (B4)."""
+    good = json.dumps(PROBLEMS[0]) + "\n"
+    giant = tmp_path / "giant.jsonl"
+    giant.write_text(good + json.dumps({"id": "g", "problem": "x" * 5 * 2**20, "answer": "1"}) + "\n")
+    with pytest.raises(ex.InputError, match=rf"^{giant}:2: a line of more than 4 MiB"):
+        ex.read_problems(str(giant))
+    long_field = tmp_path / "field.jsonl"
+    long_field.write_text(good + json.dumps({"id": "f", "problem": "?", "answer": "1", "choices": ["a", "y" * 2**21]})
+                          + "\n")
+    with pytest.raises(ex.InputError, match=rf"^{long_field}:2: field 'choices\[1\]' holds 2,097,152 characters"):
+        ex.read_problems(str(long_field))
+    fine = _jsonl(tmp_path / "fine.jsonl", [dict(PROBLEMS[0], problem="y" * 200_000)])
+    assert len(ex.read_problems(fine)[0]["problem"]) == 200_000
+    monkeypatch.setattr(ex, "load_model", _no_model)
+    out = str(tmp_path / "new")
+    argv = _good_argv("evaluate", tiny_dir, files, out)
+    argv[argv.index("--data") + 1] = str(giant)
+    assert "giant.jsonl:2: a line of more than 4 MiB" in _refused(ev, argv, tmp_path, capsys, out)
+
+
+def test_a_row_with_gpqa_fields_and_its_own_choices_is_refused_B45(tmp_path):
+    """A row with GPQA's fields and its own `choices` / `answer` got GPQA's options and gold
+    without a word."""
+    gpqa = {"Question": "Which gas?", "Correct Answer": "Nitrogen", "Incorrect Answer 1": "Oxygen",
+            "Incorrect Answer 2": "Argon", "Incorrect Answer 3": "Neon"}
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [dict(PROBLEMS[0]), dict(gpqa, id="m", choices=["a", "b"], answer="B")])
+    with pytest.raises(ex.InputError, match=rf"^{mixed}:2: fields 'choices', 'answer' beside GPQA's 'Correct Answer'"):
+        ex.read_problems(mixed)
+    assert ex.read_problems(_jsonl(tmp_path / "gpqa.jsonl", [dict(gpqa, id="g")]))[0]["choices"]
+
+
+def test_a_resume_with_another_model_is_refused_B46(tiny_dir, files, tmp_path, capsys):
+    """`--resume` with another `--model` was accepted and args.json then named a model the
+    weights are not from; a resume without --model keeps the checkpoint's (it named the
+    packaged default)."""
+    out, other = str(tmp_path / "g"), str(tmp_path / "other")
+    shutil.copytree(tiny_dir, other)
+    argv = ["--data", files["problems"], "--out", out, *GRPO_FLAGS]
+    assert ex.cli(grpo.main, argv + ["--model", tiny_dir, "--steps", "1"]) == 0
+    latest = os.path.join(out, "latest")
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    assert ex.cli(grpo.main, argv + ["--model", other, "--steps", "2", "--resume", latest]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"grpo.py: error: {latest}/args.json: the steps of {latest} were "
+                                                    f"made with --model {tiny_dir!r}, this run has {other!r}: rerun "
+                                                    "with the same, or use another --out"]
+    assert _tree(tmp_path) == before
+    assert ex.cli(grpo.main, argv + ["--steps", "2", "--resume", latest]) == 0
+    assert json.load(open(os.path.join(out, "args.json")))["model"] == tiny_dir
+
+
+@pytest.mark.parametrize("stage", list(GOOD))
+def test_a_model_folder_without_tokenizer_files_is_one_line_B47(stage, tiny_dir, files, tmp_path, capsys):
+    """A model folder with its chat template but no tokenizer files: transformers built an
+    empty tokenizer, and evaluate ended in a traceback ("every prompt needs at least one
+    token"); now one line naming the folder and the files it lacks, nothing written."""
+    model = str(tmp_path / "m")
+    shutil.copytree(tiny_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(model, name))
+    out = str(tmp_path / "out")
+    msg = _refused(GOOD[stage][0], _good_argv(stage, model, files, out), tmp_path, capsys, None)
+    assert msg == f"{stage}.py: error: {model}: no tokenizer files (tokenizer.json; vocab.json and merges.txt; or " \
+                  "tokenizer.model): its tokenizer encodes no text"
+
+
+USER_REWARDS = {  # the reward file's body -> the end of the one line
+    "raises": ("def reward(samples, problems):\n    out = []\n    for s, p in zip(samples, problems):\n"
+               "        out.append(1 / (len(out) - 2))\n    return out\n",
+               "raised ZeroDivisionError: division by zero at r.py:4, on sample 2 (problem 'q0')"),
+    "exits": "def reward(samples, problems):\n    import sys\n    sys.exit(3)\n",
+    "at load": "import sys\nsys.exit('no config')\n\ndef reward(samples, problems):\n    return [0.0] * len(samples)\n",
+}
+
+
+@pytest.mark.parametrize("case", list(USER_REWARDS))
+def test_a_user_reward_that_raises_or_exits_is_one_line_B48(case, tmp_path, monkeypatch):
+    """A --reward function that raised ended in a traceback that did not say it came from the
+    user's function, nor on which sample; sys.exit (in it or as its file loads) ended the run
+    with the user's code and no word."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    body = USER_REWARDS[case]
+    (tmp_path / "r.py").write_text(body[0] if isinstance(body, tuple) else body)
+    spec = f"{tmp_path / 'r.py'}:reward"
+    with pytest.raises(ex.InputError) as e:
+        grpo.batch_rewards(grpo.load_reward(spec), four_samples(), [PROBLEMS[0]] * 4, step=1)
+    want = {"raises": f"--reward {spec} {body[1] if isinstance(body, tuple) else ''}",
+            "exits": f"--reward {spec} raised SystemExit: 3 at r.py:3, on one of its 4 samples",
+            "at load": f"--reward {spec}: loading {tmp_path / 'r.py'} raised SystemExit: no config at r.py:2"}[case]
+    assert str(e.value) == want
+
+
+def test_a_user_reward_that_raises_stops_the_run_in_one_line_B48(files, tiny_dir, tmp_path, capsys, monkeypatch):
+    """Through the command line: exit 2, the one line, no step logged."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "r.py").write_text("def reward(samples, problems):\n    return [s.nope for s in samples]\n")
+    out = str(tmp_path / "run")
+    argv = ["--model", tiny_dir, "--data", files["problems"], "--out", out, *GRPO_FLAGS, "--steps", "1",
+            "--reward", f"{tmp_path / 'r.py'}:reward"]
+    assert ex.cli(grpo.main, argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"grpo.py: error: --reward {tmp_path / 'r.py'}:reward raised "
+                                               "AttributeError: 'Sample' object has no attribute 'nope' at r.py:2, "
+                                               "on sample 0 (problem "), err
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))

@@ -622,8 +622,8 @@ def test_resume_applies_the_lr_given_now(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, msg", [
-    (("--group-size", "1"), "argument --group-size: expected an integer in [2, inf), got '1'"),
-    (("--temperature", "0"), "argument --temperature: expected a number in (0, inf), got '0'"),
+    (("--group-size", "1"), "argument --group-size: expected an integer in [2, 65536], got '1'"),
+    (("--temperature", "0"), "argument --temperature: expected a number in (0, 1000000], got '0'"),
     (("--drop-solved", "no/such.jsonl"), "argument --drop-solved: no/such.jsonl: no such file")])
 def test_bad_arguments_are_refused_before_loading(flags, msg, tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")  # a model folder, never loaded
