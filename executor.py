@@ -29,17 +29,20 @@ Departures from the paper (it does not describe its executor):
      carried between blocks); the prompt tells the model so. `--stateful` (rollout's
      `stateful=True`) instead replays the trajectory's earlier blocks before each block
      (`Sandbox.run`), an ablation; the paper does not say which policy it used.
-  2. The sandbox (`Sandbox`) guards against accidents and, as root, against a block that
-     attacks it; it is not a container.
+  2. The sandbox (`Sandbox`) guards against accidents and, contained (a root caller, or
+     another through a user namespace of its own), against a block that attacks it; it is
+     not a container.
      covered: infinite loops (timeout), memory bombs (address-space limit), fork and
        thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
        background and detached processes, threads, forged messages (the caller trusts
        only the template's socket, which no block process holds; a block keeps fds 0-2
-       and its own report pipe); as root (development, CI): reading the host's files (a
+       and its own report pipe); contained: reading the host's files (a
        block's root holds only /usr, /bin, /lib*, the loader's and time zone's /etc files,
        the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
        no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
-       leases and per-user limits (a block runs as nobody, uid 65534); writes, deletes and
+       leases and per-user limits (a block runs as nobody, uid 65534; a caller that is not
+       root: its blocks keep its uid, root of its user namespace, without any capability);
+       writes, deletes and
        device access outside the block's own tmpfs /tmp and /dev/shm, anything left
        running after the block (a PID namespace per block, whose init reaps orphans),
        SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
@@ -70,8 +73,14 @@ Departures from the paper (it does not describe its executor):
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
        - without /bin/bash: orphans of a block are not reaped (its namespace's init is
          `cat`), so a block that leaves many may count as a fork bomb;
-       - when the caller is not root (or, as root with allow_uncontained, namespaces are
-         refused): reading any file the caller can read (its project, data, run folders,
+       - a caller that is not root: the per-user limits its blocks share with it (they keep
+         its uid), and cgroups only where its cgroup delegates them (else the rlimits: memory
+         per process, not together);
+       - in stateful mode, a replayed block that rewrites the sandbox's frames or memory
+         (sys._getframe, gc, ctypes) rather than names: it may stretch a later block's time
+         up to the replay's or change what runs;
+       - uncontained (allow_uncontained where namespaces or user namespaces are refused):
+         reading any file the caller can read (its project, data, run folders,
          models, $HOME), writes and deletes of the caller's own files, its sockets and
          FIFOs, leases, locks and inotify on its files, a detached process outliving the
          block, the shared /tmp, /dev/shm, IPC objects, keys and network, user
@@ -80,7 +89,8 @@ Departures from the paper (it does not describe its executor):
          block's file (definitions of earlier blocks are missing there);
        - a caller killed by SIGKILL or SIGTERM (torchrun's stop) leaves its cgroups behind
          (empty `thinc_*` folders);
-       - code that starts more than MAX_BLOCK_PROCS (64) tasks is stopped as a fork bomb,
+       - code that starts more than MAX_BLOCK_PROCS (64) processes or MAX_BLOCK_TASKS (1024)
+         threads is stopped as a fork bomb; threads have 2 MiB stacks (glibc: 8);
          `multiprocessing.Pool()` on a host with more CPUs included (os.cpu_count() is the
          host's); a block's root and mounts show in its /proc/self/mountinfo, and the
          host-wide /proc files (meminfo, loadavg) are readable.
@@ -1156,15 +1166,17 @@ class Sandbox(contextlib.AbstractContextManager):
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
     shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
     seconds, file size and, when not root, processes; output read with bounded memory,
-    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
-    then True), a block has its own PID namespace (all it starts dies with it, however it
-    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). Contained (`contained`: a root
+    caller, or another through a user namespace), a block has its own PID namespace (all it
+    starts dies with it, however it detaches; more than MAX_BLOCK_PROCS processes or
+    MAX_BLOCK_TASKS threads is a fork bomb), IPC
     namespace and mount namespace: a root of its own holding only the system and the
     interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
-    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
+    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody (through a user namespace:
+    the caller's), no capabilities; a
     seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
     cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
-    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
+    one: memory_mb and MAX_BLOCK_TASKS + MAX_BLOCK_PROCS tasks count all its processes together, every
     page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
     process group and temporary directory. It holds nothing of the caller's: the caller
     trusts only the template's socket, which no block process holds. What is not covered
@@ -1178,12 +1190,13 @@ class Sandbox(contextlib.AbstractContextManager):
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
-        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
-            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
+        allow_uncontained: where blocks cannot be contained (no namespaces, e.g. a container
+            without CAP_SYS_ADMIN; no user namespace for a caller that is not root; root
+            without CAP_SETUID), run them uncontained with a warning instead
             of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted, or a
-        root caller cannot contain blocks and did not allow that. (The
+        SandboxError: the template cannot start, or died and cannot be restarted, or the
+        blocks cannot be contained and the caller did not allow that. (The
         limits are not checked here: the stages' argparse types bound them.)
     Use as a context manager, or call close(); nothing is left running afterwards.
     """

@@ -1877,7 +1877,8 @@ def _caller(blocks, preexec_fn, **kwargs):
     """tests/sandbox_caller.py run with preexec_fn -> (its JSON answer, its stderr)."""
     job = json.dumps({"blocks": blocks, "kwargs": kwargs})
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sandbox_caller.py"), job], cwd="/",
-                       preexec_fn=preexec_fn, capture_output=True, text=True, timeout=100, env={"PATH": "/usr/bin:/bin"})
+                       preexec_fn=preexec_fn, capture_output=True, text=True, timeout=100,
+                       env={"PATH": "/usr/bin:/bin"})
     assert p.stdout, p.stderr
     return json.loads(p.stdout), p.stderr
 
@@ -1961,7 +1962,8 @@ def test_a_block_reads_os_release_resolves_localhost_and_starts_400_threads_S42(
     code = ("import socket, threading\nprint(open('/etc/os-release').read().startswith(('NAME=', 'PRETTY_NAME=')))\n"
             "print(socket.getaddrinfo('localhost', 80, socket.AF_INET)[0][4])\n"
             "for n in (128, 400):\n    go = threading.Event()\n"
-            "    threads = [threading.Thread(target=go.wait) for _ in range(n)]\n    for t in threads:\n        t.start()\n"
+            "    threads = [threading.Thread(target=go.wait) for _ in range(n)]\n"
+            "    for t in threads:\n        t.start()\n"
             "    go.set()\n    for t in threads:\n        t.join()\n    print(n, 'threads')\n")
     r = sb.run(code)
     assert (r.status, r.output) == ("ok", "True\n('127.0.0.1', 80)\n128 threads\n400 threads\n"), r.output
