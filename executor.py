@@ -29,17 +29,20 @@ Departures from the paper (it does not describe its executor):
      carried between blocks); the prompt tells the model so. `--stateful` (rollout's
      `stateful=True`) instead replays the trajectory's earlier blocks before each block
      (`Sandbox.run`), an ablation; the paper does not say which policy it used.
-  2. The sandbox (`Sandbox`) guards against accidents and, as root, against a block that
-     attacks it; it is not a container.
+  2. The sandbox (`Sandbox`) guards against accidents and, contained (a root caller, or
+     another through a user namespace of its own), against a block that attacks it; it is
+     not a container.
      covered: infinite loops (timeout), memory bombs (address-space limit), fork and
        thread bombs, huge output (head + tail), stdin reads, exit() / os._exit / crashes,
        background and detached processes, threads, forged messages (the caller trusts
        only the template's socket, which no block process holds; a block keeps fds 0-2
-       and its own report pipe); as root (development, CI): reading the host's files (a
+       and its own report pipe); contained: reading the host's files (a
        block's root holds only /usr, /bin, /lib*, the loader's and time zone's /etc files,
        the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
        no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
-       leases and per-user limits (a block runs as nobody, uid 65534); writes, deletes and
+       leases and per-user limits (a block runs as nobody, uid 65534; a caller that is not
+       root: its blocks keep its uid, root of its user namespace, without any capability);
+       writes, deletes and
        device access outside the block's own tmpfs /tmp and /dev/shm, anything left
        running after the block (a PID namespace per block, whose init reaps orphans),
        SysV and POSIX IPC (an IPC namespace), the network and the caller's loopback
@@ -70,8 +73,14 @@ Departures from the paper (it does not describe its executor):
        - on machines other than x86_64 and aarch64: user namespaces, setns and keys;
        - without /bin/bash: orphans of a block are not reaped (its namespace's init is
          `cat`), so a block that leaves many may count as a fork bomb;
-       - when the caller is not root (or, as root with allow_uncontained, namespaces are
-         refused): reading any file the caller can read (its project, data, run folders,
+       - a caller that is not root: the per-user limits its blocks share with it (they keep
+         its uid), and cgroups only where its cgroup delegates them (else the rlimits: memory
+         per process, not together);
+       - in stateful mode, a replayed block that rewrites the sandbox's frames or memory
+         (sys._getframe, gc, ctypes) rather than names: it may stretch a later block's time
+         up to the replay's or change what runs;
+       - uncontained (allow_uncontained where namespaces or user namespaces are refused):
+         reading any file the caller can read (its project, data, run folders,
          models, $HOME), writes and deletes of the caller's own files, its sockets and
          FIFOs, leases, locks and inotify on its files, a detached process outliving the
          block, the shared /tmp, /dev/shm, IPC objects, keys and network, user
@@ -80,12 +89,14 @@ Departures from the paper (it does not describe its executor):
          block's file (definitions of earlier blocks are missing there);
        - a caller killed by SIGKILL or SIGTERM (torchrun's stop) leaves its cgroups behind
          (empty `thinc_*` folders);
-       - code that starts more than MAX_BLOCK_PROCS (64) tasks is stopped as a fork bomb,
+       - code that starts more than MAX_BLOCK_PROCS (64) processes or MAX_BLOCK_TASKS (1024)
+         threads is stopped as a fork bomb; threads have 2 MiB stacks (glibc: 8);
          `multiprocessing.Pool()` on a host with more CPUs included (os.cpu_count() is the
          host's); a block's root and mounts show in its /proc/self/mountinfo, and the
          host-wide /proc files (meminfo, loadavg) are readable.
      Run jobs with a model that may be adversarial in a container.
 """
+import _thread
 import argparse
 import atexit
 import bisect
@@ -1120,6 +1131,7 @@ os.register_at_fork(after_in_child=_GRADER.__init__)   # the parent's helper is 
 # Sandbox.run: the interface (each block a fresh Python program, run contained)
 
 MAX_BLOCK_PROCS = 64  # processes one contained block may hold at once (more: a fork bomb)
+MAX_BLOCK_TASKS = 1024  # its processes and threads together (more: a thread bomb; a pool of 400 is not)
 MAX_CODE_BYTES = 100_000  # longest block the sandbox runs (UTF-8 bytes)
 
 
@@ -1172,15 +1184,17 @@ class Sandbox(contextlib.AbstractContextManager):
     Limits: a wall-clock timeout per block (a KeyboardInterrupt first, so the traceback
     shows where it was, then SIGKILL); rlimits on address space (status 'memory'), CPU
     seconds, file size and, when not root, processes; output read with bounded memory,
-    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). As root (`contained` is
-    then True), a block has its own PID namespace (all it starts dies with it, however it
-    detaches; more than MAX_BLOCK_PROCS processes and threads is a fork bomb), IPC
+    head + tail kept; a scrubbed environment (MPLBACKEND=Agg). Contained (`contained`: a root
+    caller, or another through a user namespace), a block has its own PID namespace (all it
+    starts dies with it, however it detaches; more than MAX_BLOCK_PROCS processes or
+    MAX_BLOCK_TASKS threads is a fork bomb), IPC
     namespace and mount namespace: a root of its own holding only the system and the
     interpreter, read-only and nodev (_enter_new_root), a private tmpfs /tmp (its working
-    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody, no capabilities; a
+    directory, TMPDIR and HOME) and /dev/shm; uid and gid nobody (through a user namespace:
+    the caller's), no capabilities; a
     seccomp filter against user namespaces, setns and kernel keys. Where the caller may make
     cgroups (root, cgroup v1 or v2 with memory and pids delegated), each block runs in
-    one: memory_mb and 2 x MAX_BLOCK_PROCS tasks count all its processes together, every
+    one: memory_mb and MAX_BLOCK_TASKS + MAX_BLOCK_PROCS tasks count all its processes together, every
     page (memfds, page cache) and thread. Otherwise it runs as the caller, in its own
     process group and temporary directory. It holds nothing of the caller's: the caller
     trusts only the template's socket, which no block process holds. What is not covered
@@ -1194,12 +1208,13 @@ class Sandbox(contextlib.AbstractContextManager):
         max_output_chars: output cap, characters (head and tail halves kept); 0 = none.
         max_file_mb: largest file a block may write, MiB; its /tmp and /dev/shm hold 4x.
         python: interpreter for the template (numpy / scipy / sympy importable there).
-        allow_uncontained: where a root caller cannot contain blocks (no namespaces, e.g.
-            a container without CAP_SYS_ADMIN), run them uncontained with a warning instead
+        allow_uncontained: where blocks cannot be contained (no namespaces, e.g. a container
+            without CAP_SYS_ADMIN; no user namespace for a caller that is not root; root
+            without CAP_SETUID), run them uncontained with a warning instead
             of failing (also when THINC_ALLOW_UNCONTAINED=1 is in the environment).
     Raises:
-        SandboxError: the template cannot start, or died and cannot be restarted, or a
-        root caller cannot contain blocks and did not allow that. (The
+        SandboxError: the template cannot start, or died and cannot be restarted, or the
+        blocks cannot be contained and the caller did not allow that. (The
         limits are not checked here: the stages' argparse types bound them.)
     Use as a context manager, or call close(); nothing is left running afterwards.
     """
@@ -1218,14 +1233,14 @@ class Sandbox(contextlib.AbstractContextManager):
         # self._cgroups: cgroups free for the next block (lists of directories, see _make_cgroup)
         self._proc, self._closed, self._running, self._generation, self._cgroups = None, False, set(), 0, []
         # RLIMIT_NPROC counts all of a user's processes; the kernel never applies it to root
-        self._nproc = _user_processes() + 64 * self.workers if os.geteuid() else resource.RLIM_INFINITY
+        self._nproc = _user_processes() + MAX_BLOCK_TASKS * self.workers if os.geteuid() else resource.RLIM_INFINITY
         self._start()
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         boot = (f"import sys\nsys.path[0] = {os.path.dirname(os.path.abspath(__file__))!r}\n"
                 f"import executor\nsys.path.pop(0)\n"
-                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r}, {os.geteuid() == 0})")
+                f"executor._template_main({theirs.fileno()}, {list(self.PREIMPORTS)!r})")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
@@ -1244,13 +1259,13 @@ class Sandbox(contextlib.AbstractContextManager):
             raise SandboxError(f"sandbox template failed to start with {self.python!r}: {err}")
         self._proc.stderr.close()
         hello, self._ctrl = json.loads(hello), ours
-        if hello["why"] and not self.allow_uncontained:  # a root caller whose blocks would run as root, uncontained
+        if hello["why"] and not self.allow_uncontained:  # blocks would run uncontained, as the caller
             self._stop()
             raise SandboxError(f"sandbox cannot contain blocks ({hello['why']}); allow_uncontained=True "
                                f"(THINC_ALLOW_UNCONTAINED=1) runs them uncontained")
         if hello["why"]:
             print(f"executor.py: warning: blocks are not contained, as asked ({hello['why']})", file=sys.stderr)
-        self.contained = hello["contained"]
+        self.contained, self._nested = hello["contained"], hello["nested"]
         self._generation += 1
 
     def _stop(self):
@@ -1329,6 +1344,7 @@ class Sandbox(contextlib.AbstractContextManager):
         t0 = time.monotonic()
         cwd = "/tmp/thinc_block" if self.contained else os.path.join(tempfile.mkdtemp(prefix="thinc_block_"), "b")
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, self._nested)  # (see _send)
         (out_r, out_w), (rep_r, rep_w) = os.pipe(), os.pipe()  # its output; its own report (see _describe)
         req = os.memfd_create("thinc_block")
         os.write(req, json.dumps({
@@ -1342,7 +1358,7 @@ class Sandbox(contextlib.AbstractContextManager):
                 f.write("0")
         procs, ooms = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in group], _oom_kills(group)
         output = _HeadTail(2 * self.max_output_chars or sys.maxsize)  # bytes: <= 4 a character
-        info, report, reading, stop, count_at, drain_end = {}, b"", [out_r, rep_r], None, 0.0, math.inf
+        info, report, reading, stop, count_at, drain_end, grace = {}, b"", [out_r, rep_r], None, 0.0, math.inf, None
         deadline = t0 + self.timeout * (1 + len(prior))  # until it starts: the replay's
         try:
             try:
@@ -1358,11 +1374,18 @@ class Sandbox(contextlib.AbstractContextManager):
                     count_at = now + 0.1
                     with contextlib.suppress(OSError):  # its namespace's /proc, through its root
                         root = f"/proc/{pid}/root/proc"  # (threads count: they cost as much)
-                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in os.listdir(root) if d.isdigit())
-                        if tasks > MAX_BLOCK_PROCS:
+                        listed = [d for d in os.listdir(root) if d.isdigit()]
+                        tasks = sum(len(os.listdir(f"{root}/{d}/task")) for d in listed)
+                        if len(listed) > MAX_BLOCK_PROCS or tasks > MAX_BLOCK_TASKS:
                             stop, deadline = "bomb", now
                 if now >= deadline and pid is not None and not ended:
+                    # the 0.5 s after its KeyboardInterrupt (to print where it was) count only while its main
+                    # thread was not waiting for a CPU: a loaded machine gets it no less (tests/faults.md S1)
+                    if grace and (end := grace[0] + min(_cpu_wait(pid) - grace[1], 5.0)) > now:
+                        deadline = end
+                        continue
                     _signal(pid, signal.SIGKILL if stop else signal.SIGINT)  # a KeyboardInterrupt first
+                    grace = None if stop else (now + 0.5, _cpu_wait(pid))
                     stop, deadline = stop or "timeout", now + (0.05 if stop else 0.5)
                 wake = drain_end if ended else min(deadline, count_at if counting else math.inf)
                 ready, _, _ = select.select(reading + [sock] * (not ended), [], [], max(0.0, wake - time.monotonic()))
@@ -1379,9 +1402,13 @@ class Sandbox(contextlib.AbstractContextManager):
                     if not data or len(report) > 64:
                         reading.remove(rep_r)
                 if sock in ready:
-                    if not (msg := sock.recv(4096)):
+                    msg, creds = sock.recvmsg(4096, socket.CMSG_SPACE(12))[:2]
+                    if not msg:
                         raise ConnectionError("the template stopped answering")
-                    info.update(json.loads(msg))  # from the template: no block process holds this socket
+                    msg = json.loads(msg)  # from the template: no block process holds this socket
+                    if "pid" in msg and creds:  # its pid as the caller sees it, from the kernel (see _send)
+                        msg["pid"] = struct.unpack("i", creds[0][2][:4])[0]
+                    info.update(msg)
                     if "error" in info:
                         raise SandboxError(f"sandbox could not start a block: {info['error']}")
                     if "pid" in info:
@@ -1516,12 +1543,14 @@ _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # bey
 # request_key, ptrace (a tracer keeps a traced zombie from being reaped: the block would never end)
 _SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435, 308, 250, 248, 249, 101),
              "aarch64": (0xC00000B7, 220, 97, 435, 268, 219, 217, 218, 117)}
-_NEWNS, _NEWPID, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = 0x20000, 0x20000000, 1, 2, 4, 8, 32, 4096
+_NEWNS, _NEWPID, _NEWUSER, _RDONLY, _NOSUID, _NODEV, _NOEXEC, _REMOUNT, _BIND = (0x20000, 0x20000000, 0x10000000,
+                                                                                1, 2, 4, 8, 32, 4096)
 _NOBODY = 65534  # uid and gid of a contained block
+_AS_NOBODY = True  # whether blocks become nobody (False in the user namespace of a caller that is not root)
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # its syscall number
 # what a block's root holds of the host besides the interpreter (see _enter_new_root)
 _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
-                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts")
+                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/fonts", "/etc/os-release")
 _LIBC = ctypes.CDLL(None, use_errno=True)  # mount, unshare, setns, capset: Python 3.11 has none of them
 
 
@@ -1534,36 +1563,50 @@ def _mount(src, target, fstype, flags, data=None):
     _libc("mount", src, target, fstype, ctypes.c_ulong(flags), data)
 
 
-def _template_main(ctrl_fd: int, preimports: list, contain: bool):
+def _template_main(ctrl_fd: int, preimports: list):
     """The fork server, in the template process (started by Sandbox._start). It imports
     numpy, scipy and sympy once, then forks one child per request on the control socket;
     a request carries four fds: a memfd with the request's JSON, the block's socket (the
     template sends the child's pid and wait status there, the child that its setup is done
     or failed; no block code ever holds it), the output pipe's write end and the block's
     report pipe (see _describe), then one cgroup.procs file per cgroup hierarchy where the
-    caller made a cgroup for the block. With `contain`, the template first moves into a root
-    of its own (_enter_new_root), and each block gets a new PID namespace whose init is
-    bash, which reaps orphans."""
+    caller made a cgroup for the block. The template first moves into a root of its own
+    (_enter_new_root; a caller that is not root, into a user namespace first:
+    _enter_user_namespace), and each block gets a new PID namespace whose init is bash, which
+    reaps orphans. Its pthread and malloc defaults, which every block inherits: thread stacks
+    of 2 MiB and at most 4 malloc arenas, not glibc's 8 MiB (RLIMIT_STACK) and 8 a CPU, since
+    RLIMIT_AS counts what they reserve: 400 threads could not start (tests/faults.md S42)."""
     for name in preimports:
         with contextlib.suppress(ImportError):  # a missing package fails inside the block
             __import__(name)
     gc.freeze()  # a block's collections skip the template's objects (fast, and no copy-on-write)
+    attr = ctypes.create_string_buffer(256)  # (a pthread_attr_t)
+    _LIBC.pthread_attr_init(attr)
+    _LIBC.pthread_attr_setstacksize(attr, ctypes.c_size_t(2 << 20))
+    _LIBC.pthread_setattr_default_np(attr)
+    _LIBC.mallopt(-8, 4)  # M_ARENA_MAX
     # out of memory, the kernel kills the template or a block (they inherit it) first, never the trainer
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:  # (a locked /proc: as before)
         f.write("1000")
     os.set_inheritable(ctrl_fd, False)  # (passed to it as inheritable: every `cat` held it)
-    ctrl, why = socket.socket(fileno=ctrl_fd), ""
+    ctrl, why, nested = socket.socket(fileno=ctrl_fd), _cannot_become_nobody(), False
+    if not why and os.geteuid() != 0:
+        try:
+            nested = _enter_user_namespace(ctrl)
+        except OSError as e:
+            why = f"no user namespace can be made for the blocks ({e}; see the kernel's user namespace settings)"
+    contain = not why
     if contain:
         try:
             pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-            _enter_new_root()
+            _enter_new_root(nested)
         except OSError as e:
             contain, why = False, f"cannot build the blocks' filesystem: {e}"
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *a: None)  # (only to wake the select below)
-    ctrl.send(json.dumps({"contained": contain, "why": why}).encode())
+    ctrl.send(json.dumps({"contained": contain, "why": why, "nested": nested}).encode())
     os.dup2(1, 2)  # /dev/null: the caller reads its stderr only until this hello
     running = {}  # pid of a block -> (its socket, write end of its namespace's init pipe)
     while True:
@@ -1602,7 +1645,7 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
             for fd in fds[:1] + fds[2:]:
                 os.close(fd)
             running[pid] = socket.socket(fileno=fds[1]), hold_w
-            _send(running[pid][0], pid=pid)
+            _send(running[pid][0], struct.pack("3i", pid, 0, 0) if nested else None, pid=pid)
         with contextlib.suppress(ChildProcessError):  # reap every exited child; report how each block ended
             while (reaped := os.waitpid(-1, os.WNOHANG))[0] != 0:
                 sock, hold_w = running.pop(reaped[0], (None, None))
@@ -1613,12 +1656,54 @@ def _template_main(ctrl_fd: int, preimports: list, contain: bool):
                     os.close(hold_w)
 
 
-def _send(sock, **msg):
+def _send(sock, creds=None, **msg):
+    """msg as JSON; with `creds` (a pid, uid 0, gid 0 of the template's PID namespace of its own),
+    which the kernel gives the caller as that pid in its own namespace."""
     with contextlib.suppress(OSError):  # the caller gave up on this block
-        sock.send(json.dumps(msg).encode())
+        sock.sendmsg([json.dumps(msg).encode()], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)] * bool(creds))
 
 
-def _enter_new_root():
+def _cannot_become_nobody() -> str:
+    """Why a root caller's blocks could not run as nobody ('' where they can, or the caller is
+    not root): no CAP_SETUID / CAP_SETGID, or a user namespace that does not map uid or gid
+    65534 (tests/faults.md S41). Said when the sandbox starts, not at the first block."""
+    if os.geteuid() != 0:
+        return ""
+    with open("/proc/self/status") as f:
+        caps = int(re.search(r"CapEff:\s*(\w+)", f.read()).group(1), 16)
+    missing = [name for bit, name in ((7, "CAP_SETUID"), (6, "CAP_SETGID")) if not caps >> bit & 1]
+    if missing:
+        return f"root without {' and '.join(missing)}: its blocks cannot become nobody ({_NOBODY})"
+    for ids in ("uid_map", "gid_map"):
+        with open(f"/proc/self/{ids}") as f:
+            if not any(int(a) <= _NOBODY < int(a) + int(n) for a, _, n in map(str.split, f)):
+                return f"root of a user namespace whose {ids} does not map {_NOBODY} (nobody): see /proc/self/{ids}"
+    return ""
+
+
+def _enter_user_namespace(ctrl) -> bool:
+    """A caller that is not root: the template becomes root of a user namespace of its own (the
+    caller's uid and gid mapped to 0, the only ids there) and pid 1 of a PID namespace it owns,
+    so that it may build the blocks' root and give each block its namespaces as root does. Its
+    blocks cannot become nobody there (not mapped): they stay its uid 0, the caller's uid
+    outside, without any capability. The process the caller started waits outside, holding
+    nothing, and ends as the template does. Returns True; raises OSError where no user
+    namespace can be made (a sysctl, a distribution's restriction, a container's seccomp)."""
+    global _AS_NOBODY
+    uid, gid = os.geteuid(), os.getegid()
+    _libc("unshare", _NEWUSER | _NEWPID)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    if pid := os.fork():
+        ctrl.close()
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 0xFF)
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the process the caller started
+    _AS_NOBODY = False
+    return True
+
+
+def _enter_new_root(own_proc=False):
     """Move the template (and so every block it forks) into a root of its own, built once: a
     read-only tmpfs holding only what `python -u block.py` needs, bound read-only, nosuid and
     nodev at the same paths: /usr, /bin, /sbin, /lib*, the loader's and the time zone's files
@@ -1628,7 +1713,10 @@ def _enter_new_root():
     them: run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
     random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
     own. Only binds of those folders, not of the mounts below them: no host mount is
-    remounted, so one hidden under another (shadowed) cannot make this fail. Raises OSError."""
+    remounted, so one hidden under another (shadowed) cannot make this fail. /etc holds
+    os-release, and hosts and nsswitch.conf naming localhost, as `python block.py` sees them.
+    own_proc (in a user namespace): a proc of the template's PID namespace at /proc, which the
+    kernel asks for before a block may mount its own there. Raises OSError."""
     _libc("unshare", _NEWNS)
     _mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE: nothing reaches the caller
     asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
@@ -1673,9 +1761,12 @@ def _enter_new_root():
     for d in ("/proc", "/tmp", "/dev/shm", "/etc"):  # (the first three: mount points of each block's own)
         os.makedirs(f"/tmp{d}", exist_ok=True)
     for name, text in (("passwd", "root:x:0:0::/:/bin/false\nnobody:x:65534:65534::/:/bin/false\n"),
-                       ("group", "root:x:0:\nnogroup:x:65534:\n")):
+                       ("group", "root:x:0:\nnogroup:x:65534:\n"), ("hosts", "127.0.0.1 localhost\n::1 localhost\n"),
+                       ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n")):
         with open(f"/tmp/etc/{name}", "w") as f:
             f.write(text)
+    if own_proc:
+        _mount(b"proc", b"/tmp/proc", b"proc", _NOSUID | _NODEV | _NOEXEC)
     for m in masks:  # (written to while what lies inside was bound)
         _mount(None, f"/tmp{m}".encode(), None, _REMOUNT | _RDONLY | _NOSUID | _NODEV)
     os.chdir("/tmp")
@@ -1717,9 +1808,12 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
         _LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         for cap in range(64):  # PR_CAPBSET_DROP: what it executes gets no capability either
             _LIBC.prctl(24, cap, 0, 0, 0)
-        os.setgroups([])  # nobody: no file, socket, lease, lock or per-user limit of root's
-        os.setgid(_NOBODY)
-        os.setuid(_NOBODY)
+        if _AS_NOBODY:  # nobody: no file, socket, lease, lock or per-user limit of root's
+            for fd in (out_w, rep_w):  # its own pipes, which _replay opens again through /proc
+                os.fchown(fd, _NOBODY, _NOBODY)
+            os.setgroups([])
+            os.setgid(_NOBODY)
+            os.setuid(_NOBODY)
         _libc("capset", (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
         _LIBC.prctl(4, 1)  # PR_SET_DUMPABLE (cleared by setuid): its own /proc files stay its own
         _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG again: setuid cleared it
@@ -1749,7 +1843,10 @@ def _block_setup(req_fd, sock_fd, out_w, rep_w, contain, *cgroups) -> dict:
 
 
 def _block_main(req):
-    """Run the block (after the earlier ones, in stateful mode) and exit as Python does."""
+    """Run the block (after the earlier ones, in stateful mode) and exit as Python does. The
+    calls its time limit and exit status rest on are bound before any block code runs, and this
+    module leaves sys.modules: a replayed block that rebinds os.write, os._exit, exec or this
+    module's functions cannot stretch a later block's time or run it in its stead (faults S40)."""
     cwd, path = req["cwd"], req["cwd"] + ".py"  # the block as a file beside its directory, for __file__
     with open(path, "w") as f:  # (spawn and forkserver children import the block from it)
         f.write(req["code"])
@@ -1761,11 +1858,15 @@ def _block_main(req):
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # unbuffered, as `python -u`
     main = sys.modules["__main__"] = types.ModuleType("__main__")
     main.__file__, blocks, code, error = path, req["prior"] + [req["code"]], 1, None
+    sys.modules.pop("executor", None)
+    write, leave, run = os.write, os._exit, functools.partial(_execute, build=compile, run=exec)
     try:
-        _replay(blocks, main)
-        with contextlib.suppress(OSError):  # its own time limit starts now
-            os.write(_REPORT_FD, b"s")
-        _execute(blocks, len(blocks) - 1, main, req["stateful"])
+        _replay(blocks, main, run)
+        try:
+            write(_REPORT_FD, b"s")  # its own time limit starts now
+        except OSError:
+            pass
+        run(blocks, len(blocks) - 1, main, req["stateful"])
         code = 0
     except SystemExit as e:
         code, error = (0 if e.code is None else e.code if isinstance(e.code, int) else 1) % 256, "SystemExit"
@@ -1782,8 +1883,8 @@ def _block_main(req):
             gc.collect()
             sys.stdout.flush()  # (Python's order: first; here last, as a closed one raises; stderr is unbuffered)
         with contextlib.suppress(OSError):  # (unless the block closed it: then only its exit status tells)
-            os.write(_REPORT_FD, (error or "-").encode())
-        os._exit(code)
+            write(_REPORT_FD, (error or "-").encode())
+        leave(code)
 
 
 def _no_user_namespaces():
@@ -1804,8 +1905,9 @@ def _no_user_namespaces():
     _libc("prctl", 22, ctypes.c_ulong(2), struct.pack("HL", len(prog), ctypes.addressof(code)))  # SECCOMP_MODE_FILTER
 
 
-def _execute(blocks, k, main, stateful):
-    """Run blocks[k] in module `main`. Stateful: its random draws depend on blocks[:k + 1]."""
+def _execute(blocks, k, main, stateful, build, run):
+    """Run blocks[k] in module `main` (build, run: compile and exec, bound before any block ran).
+    Stateful: its random draws depend on blocks[:k + 1]."""
     random.seed("\0".join(blocks[:k + 1]) if stateful else None)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(random.getrandbits(32))
@@ -1813,59 +1915,64 @@ def _execute(blocks, k, main, stateful):
         sys.modules["sympy"].core.random.seed(random.getrandbits(64))
     name = "<code>" if k == len(blocks) - 1 else f"<block {k + 1}>"
     linecache.cache[name] = (len(blocks[k]), None, blocks[k].splitlines(True), name)
-    exec(compile(blocks[k], name, "exec"), main.__dict__)
+    run(build(blocks[k], name, "exec"), main.__dict__)
 
 
-def _replay(blocks, main):
+def _replay(blocks, main, run):
     """Stateful mode: run the earlier blocks again with their output to /dev/null (fd 0);
     an exception of any kind, or an exit (os._exit too, from any thread), ends that block
     only, as in a persistent interpreter. The output and report pipes wait in a thread
     with an fd table of its own (_keep_fds), out of reach of what the replay closes
-    (os.closerange(3, 65536) too), and come back through a unix socket of the block's own."""
+    (os.closerange(3, 65536) too), and are opened again through its /proc entry, with calls
+    bound before the replay (tests/faults.md S40)."""
     if len(blocks) == 1:
         return
-    real_exit, me, name = os._exit, os.getpid(), f"\0thinc_{os.urandom(8).hex()}"
-    held, wanted = threading.Event(), threading.Event()
-    keeper = threading.Thread(target=_keep_fds, args=(name, held, wanted), daemon=True)
-    keeper.start()
-    held.wait()
+    real_exit, me, reopen, dup2, close, wronly, anything = os._exit, os.getpid(), os.open, os.dup2, os.close, \
+        os.O_WRONLY, BaseException
+    held, running, tid = _thread.allocate_lock(), _thread.allocate_lock(), []
+    held.acquire()
+    _thread.start_new_thread(_keep_fds, (held, tid))
+    held.acquire()  # (until it holds them)
+    fds = f"/proc/self/task/{tid[0]}/fd"
     os.dup2(0, 1)
     os.dup2(0, 2)
-    os._exit = lambda n=0: _end_replayed_block(n) if os.getpid() == me else real_exit(n)
+    os._exit = lambda n=0: _end_replayed_block(n, running) if os.getpid() == me else real_exit(n)
     try:
         for k in range(len(blocks) - 1):
-            with contextlib.suppress(BaseException):
-                _execute(blocks, k, main, True)
+            with running:
+                try:
+                    run(blocks, k, main, True)
+                except anything:
+                    pass
     finally:
         os._exit = real_exit
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(name)
-            server.listen()
-            wanted.set()
-            out, report = socket.recv_fds(server.accept()[0], 1, 2)[1]
-        keeper.join()
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.dup2(report, _REPORT_FD, inheritable=False)
-        os.close(out)
-        os.close(report)
+        out, report = reopen(f"{fds}/1", wronly), reopen(f"{fds}/{_REPORT_FD}", wronly)
+        dup2(out, 1)
+        dup2(out, 2)
+        dup2(report, _REPORT_FD, inheritable=False)
+        close(out)
+        close(report)
 
 
-def _keep_fds(name, held, wanted):
-    """The thread of _replay: unshares its fd table (CLONE_FILES), so it keeps fd 1 (the
-    output pipe) and _REPORT_FD whatever the replay closes, and sends them to the socket
-    `name` (abstract: in the block's own network namespace) once `wanted` is set."""
+def _keep_fds(held, tid):
+    """The thread of _replay (not one of threading's: the block does not see it): unshares its
+    fd table (CLONE_FILES), so it keeps fd 1 (the output pipe) and _REPORT_FD whatever the
+    replay closes, says its id and waits, until the process ends, on a pipe only it holds."""
     _libc("unshare", 0x400)
-    held.set()
-    wanted.wait()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(name)
-        socket.send_fds(s, [b"f"], [1, _REPORT_FD])
+    tid.append(_thread.get_native_id())
+    r, _ = os.pipe()
+    held.release()
+    os.read(r, 1)
 
 
-def _end_replayed_block(n):
-    if threading.current_thread() is not threading.main_thread():  # a KeyboardInterrupt there
+def _end_replayed_block(n, running):
+    """os._exit during the replay: ends the replayed block. From another thread: a
+    KeyboardInterrupt in the main thread, and this thread ends only once that block has (else
+    the main thread's join of it could return first, and the block ran on: tests/faults.md S23)."""
+    if threading.current_thread() is not threading.main_thread():
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        with running:
+            pass
     sys.exit(n)
 
 
@@ -1883,6 +1990,13 @@ def _print_exception(e):
             t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != __file__])
             todo += [t.__cause__, t.__context__]
     sys.stderr.write("".join(te.format()))
+
+
+def _cpu_wait(pid) -> float:
+    """Seconds the main thread of pid has waited runnable for a CPU (0 where the kernel does not say)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+    return 0.0
 
 
 def _signal(pid, sig):
@@ -1923,7 +2037,7 @@ def _cgroup_limit(name, memory_mb, none):
     the RAM limit, v2's swap limit is 0: on a host with swap a block would otherwise push the
     rest of its pages there, tests/faults.md S39); `none` without memory_mb."""
     if name == "pids.max":
-        return 2 * MAX_BLOCK_PROCS
+        return MAX_BLOCK_TASKS + MAX_BLOCK_PROCS
     if not memory_mb:
         return none
     return 0 if name == "memory.swap.max" else memory_mb << 20
@@ -1979,7 +2093,8 @@ def _describe(wait_status, report, stop, timeout, oom=False):
     too, so the report only picks among the descriptions of its exit status. oom: the kernel
     killed a process for memory while it ran (else a SIGKILL is `killed`: it may be its own)."""
     if stop == "bomb":
-        return "killed", f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes (a fork bomb?)."
+        return "killed", (f"Process killed: the block started more than {MAX_BLOCK_PROCS} processes or "
+                          f"{MAX_BLOCK_TASKS} threads (a fork bomb?).")
     if stop == "timeout":
         return "timeout", f"TimeoutError: the block ran longer than {timeout:g} s and was stopped."
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None

@@ -11,6 +11,7 @@ directories are made in a private tempfile.tempdir set for this module, so other
 on the machine cannot disturb the count.
 """
 import glob
+import json
 import importlib.util
 import os
 import random
@@ -1516,7 +1517,7 @@ def test_s39_a_refused_swap_limit_keeps_the_ram_limit(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_s22_threads_count_towards_the_fork_bomb_limit(sb):
-    r = sb.run("import threading, time\nfor _ in range(200):\n"
+    r = sb.run(f"import threading, time\nfor _ in range({ex.MAX_BLOCK_TASKS + 100}):\n"
                "    threading.Thread(target=time.sleep, args=(10,), daemon=True).start()\ntime.sleep(10)\n")
     if sb.contained:  # (not root: RLIMIT_NPROC counts threads, against all the user's processes)
         assert r.status == "killed" or "can't start new thread" in r.output, r.output  # the count, or pids.max
@@ -1827,3 +1828,142 @@ def test_a_root_caller_that_cannot_contain_blocks_stops_unless_it_asked_S35():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert p.stdout == "SandboxError True\nFalse 1\n", p.stdout + p.stderr
     assert p.stderr.startswith("executor.py: warning: blocks are not contained, as asked (cannot build"), p.stderr
+
+
+# -----------------------------------------------------------------------------
+# Who the caller is (faults S41, S43), stateful blocks that would forge (S40), Python's own
+# threads and /etc (S42)
+
+USER = 4242  # an unprivileged uid and gid of this machine (no account needed)
+
+
+def _open_to_others(paths):
+    """In this process's own mount namespace (root): every folder above `paths` that others may
+    not enter (a 0700 home holding the interpreter) is covered by a tmpfs showing only the
+    branches down to them, so that an unprivileged uid reaches the interpreter and the project."""
+    paths = [os.path.realpath(p) for p in paths]
+    for path in paths:
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            top = "/".join(parts[:i])
+            if os.stat(top).st_mode & 0o001:
+                continue
+            branches = {"/".join(p.split("/")[:i + 1]) for p in paths if p.startswith(top + "/")}
+            held = {b: os.open(b, os.O_PATH) for b in branches}  # (before the tmpfs hides them)
+            ex._mount(b"tmpfs", top.encode(), b"tmpfs", 0, b"mode=755")
+            for branch, fd in held.items():
+                os.mkdir(branch)
+                ex._mount(f"/proc/self/fd/{fd}".encode(), branch.encode(), None, ex._BIND | 1 << 14)
+                os.close(fd)
+
+
+def _as_user(no_user_namespaces=False):
+    """A preexec_fn: the child drops to uid and gid USER (after _open_to_others, in a mount
+    namespace of its own); with no_user_namespaces, a seccomp filter refuses it user namespaces
+    (as a sysctl or a container's seccomp does)."""
+    def drop():
+        ex._libc("unshare", ex._NEWNS)
+        ex._mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE
+        _open_to_others([sys.base_prefix, sys.prefix, ROOT])
+        if no_user_namespaces:
+            ex._no_user_namespaces()
+        os.setgroups([])
+        os.setgid(USER)
+        os.setuid(USER)
+    return drop
+
+
+def _caller(blocks, preexec_fn, **kwargs):
+    """tests/sandbox_caller.py run with preexec_fn -> (its JSON answer, its stderr)."""
+    job = json.dumps({"blocks": blocks, "kwargs": kwargs})
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sandbox_caller.py"), job], cwd="/",
+                       preexec_fn=preexec_fn, capture_output=True, text=True, timeout=100,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert p.stdout, p.stderr
+    return json.loads(p.stdout), p.stderr
+
+
+@pytest.mark.timeout(120)
+@ROOT_ONLY  # (root makes the unprivileged caller)
+def test_a_caller_that_is_not_root_gets_contained_blocks_S43(tmp_path):
+    """tests/faults.md S43: a caller of uid USER gets its blocks contained through a user
+    namespace: its own file (0600) and the project are not in the block's root, the block is
+    pid 2 of its own namespace with no capability and no network, and a loop is stopped at its
+    timeout (before: every block ran as the caller, seeing all it could read)."""
+    secret = tmp_path / "key"
+    secret.write_text("gold")
+    os.chown(secret, USER, USER)
+    secret.chmod(0o600)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(tmp_path.parent, 0o755)
+    blocks = ["import os, socket\nstatus = open('/proc/self/status').read()\n"
+              "print(os.getpid(), status.split('CapEff:')[1].split()[0], [n for i, n in socket.if_nameindex()])",
+              f"import os\nprint([os.path.exists(p) for p in ({str(secret)!r}, {ROOT!r})])", "while True: pass"]
+    answer, err = _caller(blocks, _as_user(), timeout=2)
+    assert answer == {"contained": True, "results": [["ok", "2 0000000000000000 ['lo']\n"], ["ok", "[False, False]\n"],
+                                                     ["timeout", answer["results"][2][1]]]}, (answer, err)
+    assert 'File "<code>", line 1' in answer["results"][2][1]
+
+
+@pytest.mark.timeout(120)
+@ROOT_ONLY
+def test_a_caller_that_is_not_root_without_user_namespaces_is_refused_at_start_S43():
+    """tests/faults.md S43: where no user namespace can be made (here a seccomp filter), Sandbox()
+    refuses in one line naming the cause and the opt-out; with allow_uncontained the blocks run,
+    uncontained, and a warning says so (before: they ran uncontained, silently)."""
+    answer, err = _caller(["print(1)"], _as_user(no_user_namespaces=True))
+    assert "no user namespace can be made" in answer["error"] and "allow_uncontained=True" in answer["error"], answer
+    assert "\n" not in answer["error"]
+    answer, err = _caller(["print(1)"], _as_user(no_user_namespaces=True), allow_uncontained=True)
+    assert answer == {"contained": False, "results": [["ok", "1\n"]]}, (answer, err)
+    assert "blocks are not contained, as asked (no user namespace" in err, err
+
+
+def _without_setuid():
+    ex._LIBC.prctl(24, 7, 0, 0, 0)  # PR_CAPBSET_DROP, CAP_SETUID: not even root's exec gets it back
+
+
+def _root_of_a_user_namespace():
+    ex._libc("unshare", ex._NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+@pytest.mark.timeout(120)
+@ROOT_ONLY
+@pytest.mark.parametrize("preexec_fn,says", [(_without_setuid, "root without CAP_SETUID"),
+                                             (_root_of_a_user_namespace, "uid_map does not map 65534")],
+                         ids=["no-cap-setuid", "userns-maps-only-root"])
+def test_a_root_caller_whose_blocks_cannot_become_nobody_is_refused_at_start_S41(preexec_fn, says):
+    """tests/faults.md S41: Sandbox() refuses, naming the capability or the mapping (before: it
+    started, and the first run() raised `could not start a block: PermissionError(1, ...)`)."""
+    answer, err = _caller(["print(1)"], preexec_fn)
+    assert says in answer.get("error", "") and "allow_uncontained=True" in answer["error"], (answer, err)
+
+
+@pytest.mark.timeout(60)
+def test_a_stateful_block_cannot_stretch_a_later_blocks_time_or_run_in_its_stead_S40(sb_quick):
+    """tests/faults.md S40: a replayed block that rebinds os.write (the start of a block's own
+    time limit), this module's _execute or builtins.exec changes nothing of a later block (before:
+    a 3 s sleep under a 1 s limit ended ok; the later blocks printed 'forged' without running)."""
+    rs = _trajectory(sb_quick, ["import os\nos.write = lambda fd, data: len(data)", "x = 1", "y = 2",
+                                "import time\ntime.sleep(3)\nprint('slept')"])
+    assert rs[-1].status == "timeout", rs[-1]
+    for forge in ("import sys\nsys.modules['executor']._execute = lambda *a, **k: print('forged')",
+                  "import builtins\nbuiltins.exec = lambda *a: print('forged')"):
+        assert _trajectory(sb_quick, [forge, "print(1 + 1)"])[-1].output == "2\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_block_reads_os_release_resolves_localhost_and_starts_400_threads_S42(sb):
+    """tests/faults.md S42: as `python block.py` does (before: no /etc/os-release, no /etc/hosts,
+    and 128 threads hit the address-space limit or counted as a fork bomb)."""
+    code = ("import socket, threading\nprint(open('/etc/os-release').read().startswith(('NAME=', 'PRETTY_NAME=')))\n"
+            "print(socket.getaddrinfo('localhost', 80, socket.AF_INET)[0][4])\n"
+            "for n in (128, 400):\n    go = threading.Event()\n"
+            "    threads = [threading.Thread(target=go.wait) for _ in range(n)]\n"
+            "    for t in threads:\n        t.start()\n"
+            "    go.set()\n    for t in threads:\n        t.join()\n    print(n, 'threads')\n")
+    r = sb.run(code)
+    assert (r.status, r.output) == ("ok", "True\n('127.0.0.1', 80)\n128 threads\n400 threads\n"), r.output
