@@ -256,7 +256,7 @@ def loss_normalizer(tokens: float, world_size: int) -> float:
 
 
 def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tensor, normalizer=None,
-                eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0,
+                eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 2.0,
                 entropy: torch.Tensor | None = None):
     """Clipped surrogate with token-level (DAPO) aggregation and truncated importance
     sampling (TIS, Yao et al. 2025) on the sampler's logprobs:
@@ -276,7 +276,8 @@ def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tens
         normalizer: the masked sum is divided by it (`loss_normalizer`); None = this call's
             own token count.
         eps_low, eps_high: asymmetric clip range (clip-higher).
-        tis_cap: C, the cap of the TIS weight; 0 = off (w = 1).
+        tis_cap: C, the cap of the TIS weight; 0 = off (w = 1). The defaults here are the
+            command line's (a caller from Python trains as grpo.py does, tests/faults.md L33).
         entropy: (B, T) per-token entropy, for the metric only (there is no bonus term).
     Returns:
         loss: 0-dim tensor.
@@ -369,7 +370,7 @@ UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "tis_ca
 
 
 def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_batch: int, updates_per_step: int = 1,
-                  eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0, chunk_size: int = 1024,
+                  eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 2.0, chunk_size: int = 1024,
                   temperature: float = 1.0, grad_clip: float = 1.0, pad_id: int = 0, progress=None,
                   reference=None) -> dict:
     """The training half of a GRPO step: `updates_per_step` optimizer steps over this rank's

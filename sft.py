@@ -257,7 +257,9 @@ def _head_logprobs(head, hidden, targets, temperature, entropy):
     if not entropy:
         return logp, torch.zeros_like(logp)
     probs = torch.exp(logits - lse[..., None])  # (B, C, V)
-    plogits = torch.where(probs > 0, probs * logits, torch.zeros_like(probs))  # a masked (-inf) token adds 0
+    # a masked (-inf) token adds 0; its logit is replaced before the product, whose backward
+    # would otherwise keep 0 * -inf = NaN (tests/faults.md G22)
+    plogits = probs * torch.where(probs > 0, logits, 0.0)  # (B, C, V)
     return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
