@@ -2709,8 +2709,8 @@ def cli(main, argv=None, interrupted=None) -> int:
     written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
     with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
     line when the reader of stdout has gone (`... | head`), and for a sandbox that cannot
-    start or contain its blocks (SandboxError, tests/faults.md S37). Only rank 0 prints: under
-    torchrun every rank fails the same way and the line shows once. Text a terminal cannot
+    start or contain its blocks (SandboxError, tests/faults.md S37). Under torchrun each rank
+    prints its own line, prefixed `[rank r]` (D16). Text a terminal cannot
     show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
@@ -2736,8 +2736,10 @@ def cli(main, argv=None, interrupted=None) -> int:
                 2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
     finally:
         unlock_runs()
-    if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)
-        print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
+    # under torchrun every rank says its own error, once: one rank's (a reward, a missing file) is
+    # the cause of the others' "Connection closed by peer" (tests/faults.md D16); a stale RANK is no torchrun
+    rank = f"[rank {os.environ['RANK']}] " if "MASTER_ADDR" in os.environ and "RANK" in os.environ else ""
+    print(f"{rank}{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
 
 

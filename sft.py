@@ -709,11 +709,14 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, logs=()) -> dict:
     Raises:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
-    rank0, path = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
+    rank0, own = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
     sharded = optimizer is not None and _is_sharded(p for g in optimizer.param_groups for p in g["params"])
-    if not os.path.exists(path) and not sharded:  # FSDP's shards are each rank's own (tests/faults.md D9)
-        path = rank0  # torch.load: FileNotFoundError naming it if absent
+    path = own if os.path.exists(own) else rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if sharded and path != own and ("optimizer" in state or "optimizer_shard" in state):
+        # FSDP's shards are each rank's own (tests/faults.md D9); a weights-only checkpoint (no
+        # optimizer) resumes on any number of ranks from rank 0's state (D17)
+        raise FileNotFoundError(f"{own}: this rank's optimizer shard is missing")
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
         # a DDP rank > 0: the optimizer is rank 0's
         state["optimizer"] = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True).get("optimizer")

@@ -56,6 +56,8 @@ def _alternate(samples, problems):
 def two_ranks(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("scale")
     data = _write_problems(out / "p.jsonl", 4)
+    # a weights-only checkpoint of one rank, for the 2-rank FSDP resume (tests/faults.md D17)
+    grpo.main(_cli(tiny_dir, data, str(out / "w1"), "--steps", "1", "--no-save-optimizer"), reward_fn=_alternate)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), "--worker", str(out), tiny_dir, data]
@@ -113,6 +115,37 @@ def test_sync_policy_gathers_one_parameter_at_a_time_in_the_rollout_dtype_D6(two
 
 
 @pytest.mark.timeout(500)
+def test_weights_only_checkpoint_resumes_on_more_fsdp_ranks_D17(two_ranks):
+    """A 1-rank --no-save-optimizer checkpoint (step 1) resumed with --fsdp on 2 ranks: every
+    rank takes rank 0's trainer state (step, data order; no optimizer) and AdamW starts fresh;
+    step 2 runs (before: rank 1 died on its missing trainer_state_rank1.pt)."""
+    for r in two_ranks.res:
+        assert r["d17_error"] is None, r["d17_error"]
+    rows = ex.read_jsonl_tolerant(str(two_ranks.dir / "d17" / "metrics.jsonl"))
+    assert [m["step"] for m in rows] == [2] and rows[0]["optimizer_steps"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_error_on_rank_1_reaches_the_user_once_D16(tiny_dir, tmp_path):
+    """grpo.py on 2 ranks whose reward returns NaN on rank 1's samples only: stderr holds rank
+    1's one line naming the reward's problem, prefixed with its rank, once (before: rank 1 exited
+    without a word; the user saw rank 0's "Connection closed by peer" and torchrun's block)."""
+    data = _write_problems(tmp_path / "p.jsonl", 4)
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\n\ndef nan_on_rank1(samples, problems):\n"
+                      "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in samples]\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "grpo.py"), *_cli(tiny_dir, data, str(tmp_path / "o"), "--steps", "1", "--reward",
+                                               f"{reward}:nan_on_rank1")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if "error: reward nan" in x]
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] grpo.py: error: reward nan for a sample of problem 'p"), \
+        r.stderr[-3000:]
+
+
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("ckpt, extra", [("fsdp", ["--fsdp"]), ("zero", ["--shard-optimizer"]),
                                          ("zero", [])])
 def test_resume_on_another_world_size_is_refused_D8(two_ranks, tmp_path, ckpt, extra):
@@ -165,6 +198,9 @@ def _worker(out, tiny_dir, data):
         except Exception as e:
             return [type(e).__name__, ""], str(e)
 
+    # D17: the 1-rank weights-only checkpoint resumed on 2 FSDP ranks: AdamW starts fresh
+    (kind, _), msg = refused("d17", "--resume", os.path.join(out, "w1", "latest"), "--fsdp")
+    res["d17_error"] = f"{kind}: {msg[:300]}" if kind != "none" else None
     # D7: the FSDP checkpoint resumed under DDP on as many ranks
     (kind, _), msg = refused("d7", "--resume", os.path.join(out, "fsdp", "latest"))
     res["d7_error"], res["d7_message"] = [kind, "--fsdp toggled" if "FSDP" in msg else msg[:300]], msg
