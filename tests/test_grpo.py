@@ -248,7 +248,8 @@ def test_function_defaults_are_the_command_line_defaults_L33():
 class ScriptedPolicy(torch.nn.Module):
     """Emits fixed model segments through the real `executor.rollout`. Every row writes the
     same text, so the next token depends only on the row's position: segment k starts
-    after the k-th multi-token feed (the prompt, then each output block). Rows may pause
+    after the k-th multi-token feed (the prompt, then each output block; a feed the engine
+    cut into several forwards counts once). Rows may pause
     for their blocks at different times and leave the batch in any order.
     `fed[p]` is the token fed at position p (the same in every row, or a test fails)."""
 
@@ -269,6 +270,8 @@ class ScriptedPolicy(torch.nn.Module):
             if not real[b].any():  # a row waiting on its block
                 continue
             if real[b].sum() > 1 and q not in self.starts:  # after the prompt or an output block
+                if self.starts and int(position_ids[b][real[b]][0]) == self.starts[-1] + 1:
+                    self.starts.pop()  # the rest of a feed the engine cut (executor.FEED_CHUNK)
                 self.next.update({q + j: t for j, t in enumerate(self.segments[len(self.starts)])})
                 self.starts.append(q)
             logits[b, 0, self.next[q]] = 0.0

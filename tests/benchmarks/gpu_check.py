@@ -137,13 +137,16 @@ class ForceTokens(LogitsProcessor):
 
 class TurnPlan:
     """Per-position script for identical rows: a multi-token feed (the prompt, an output
-    block) ending at position e starts the next turn, whose j-th token is sampled from the
-    logits at e + j. Past the last turn every row gets EOS."""
+    block; one the engine cut into several forwards counts once) ending at position e starts
+    the next turn, whose j-th token is sampled from the logits at e + j. Past the last turn
+    every row gets EOS."""
 
     def __init__(self, turns, eos):
         self.turns, self.eos, self.starts, self.plan = turns, eos, [], {}
 
     def __call__(self, pos, n_fed):
+        if n_fed > 1 and self.starts and pos - n_fed == self.starts[-1]:
+            self.starts.pop()  # the rest of a feed the engine cut into forwards (executor.FEED_CHUNK)
         if n_fed > 1 and pos not in self.starts and len(self.starts) < len(self.turns):
             for j, t in enumerate(self.turns[len(self.starts)]):
                 self.plan[pos + j] = t
