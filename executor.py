@@ -1487,11 +1487,19 @@ def _slab_layer_class():
     return SlabLayer
 
 
+# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
+# block) is cut into forwards of this many columns, so that its transient, which grows with
+# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
+FEED_CHUNK = 256
+
+
 def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     """Append one ragged chunk per row to the KV cache and return the last logits.
 
     feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
-        row's pads sit in the *middle* of its mask, after its history.
+        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
+        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
+        through `_grouped_sdpa`.
     past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
     Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
     Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
@@ -1499,11 +1507,62 @@ def _forward_chunk(model, cache, past_mask, feeds, pad_id):
     """
     import torch
     ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
-    pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask  # (B, L)
-    full_mask = torch.cat([past_mask, mask], dim=1)  # (B, S + L)
-    out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=cache,
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :], full_mask
+    config = model.config
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
+        cut = slice(max(end - FEED_CHUNK, 0), end)
+        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
+        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
+        # transformers' sdpa copies the KV heads to every query head under a mask when more
+        # than one token is fed (repeat_kv: 4x a layer's cache for Qwen3-4B); the engine's own
+        # attention reads them as they are (tests/faults.md G23)
+        if sdpa and end - cut.start > 1:
+            config._attn_implementation = _grouped_attention()
+        try:
+            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+        finally:
+            if sdpa:
+                config._attn_implementation = "sdpa"
+    return out.logits[:, -1, :], past_mask
+
+
+@functools.cache
+def _grouped_attention() -> str:
+    """Register `_grouped_sdpa` with transformers (once) under the name it returns; masks as sdpa's."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register("thinc_grouped_sdpa", _grouped_sdpa)
+    AttentionMaskInterface.register("thinc_grouped_sdpa", sdpa_mask)
+    return "thinc_grouped_sdpa"
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, for a multi-token feed, reading the grouped KV heads as
+    the cache holds them: one SDPA call per KV head over its G = H / H_kv query heads, the
+    head expanded as a view (stride 0), never copied. The peak is then one (B, 1, L, S)
+    float mask (SDPA's conversion of the bool mask) beside the (B, L, H, D) output, not
+    repeat_kv's 2 x (B, H, S, D) copy.
+
+    query: (B, H, L, D); key, value: (B, H_kv, S, D); attention_mask: (B, 1, L, S) bool
+    (True: attend) or None. Returns ((B, L, H, D) output, None), as transformers' functions.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    n_kv = key.shape[1]
+    G = query.shape[1] // n_kv
+    if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    B, H, L, D = query.shape
+    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
+    for h in range(n_kv):
+        heads = slice(h * G, (h + 1) * G)
+        k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
+        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
+                                                             dropout_p=dropout, scale=scaling)
+        out[:, :, heads] = o.transpose(1, 2)
+    return out, None
 
 
 def _pad_left(seqs, pad_id, device):
@@ -2812,8 +2871,8 @@ def cli(main, argv=None, interrupted=None) -> int:
     written: missing, a folder, read-only); 1 with one line for a full disk; 130 on Ctrl-C
     with one line, `interrupted()`: what was kept and the command that resumes; 1 with one
     line when the reader of stdout has gone (`... | head`), and for a sandbox that cannot
-    start or contain its blocks (SandboxError, tests/faults.md S37). Only rank 0 prints: under
-    torchrun every rank fails the same way and the line shows once. Text a terminal cannot
+    start or contain its blocks (SandboxError, tests/faults.md S37). Under torchrun each rank
+    prints its own line, prefixed `[rank r]` (D16). Text a terminal cannot
     show (LANG=C) is escaped, not an error (tests/faults.md B37)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
@@ -2839,8 +2898,10 @@ def cli(main, argv=None, interrupted=None) -> int:
                 2, f"error: {e}" if isinstance(e, InputError) else f"error: {e.filename}: {str(e.strerror).lower()}")
     finally:
         unlock_runs()
-    if os.environ.get("RANK", "0") == "0" or "MASTER_ADDR" not in os.environ:  # (a stale RANK: not torchrun)
-        print(f"{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
+    # under torchrun every rank says its own error, once: one rank's (a reward, a missing file) is
+    # the cause of the others' "Connection closed by peer" (tests/faults.md D16); a stale RANK is no torchrun
+    rank = f"[rank {os.environ['RANK']}] " if "MASTER_ADDR" in os.environ and "RANK" in os.environ else ""
+    print(f"{rank}{os.path.basename(sys.modules[main.__module__].__file__)}: {message}", file=sys.stderr, flush=True)
     return code
 
 

@@ -53,8 +53,8 @@ group's G sequences share their prompt's prefill). --save-every: steps between w
 (a crash loses at most this many). --no-save-optimizer: checkpoints hold weights, step,
 data order and RNG but not AdamW's state (2 x the fp32 weights), which then starts fresh.
 --kv-cache-gb: the rows a rank decodes at once are also capped so that their KV cache fits it
-(`sft.memory_plan`, printed at start). A step whose gradient norm is not finite is skipped and
-logged; --max-skipped-steps in a row end the run. --dist-timeout: hours a collective waits.
+(`sft.memory_plan`, printed at start). An update whose gradient norm is not finite is skipped
+and logged (grad_norms); --max-skipped-steps updates in a row end the run. --dist-timeout: hours a collective waits.
 
 Departures from the paper (which does not describe these details):
   1. Groups whose advantages are all 0 (all-equal rewards) are dropped from the loss and
@@ -292,7 +292,7 @@ def loss_normalizer(tokens: float, world_size: int) -> float:
 
 
 def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tensor, normalizer=None,
-                eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0,
+                eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 2.0,
                 entropy: torch.Tensor | None = None):
     """Clipped surrogate with token-level (DAPO) aggregation and truncated importance
     sampling (TIS, Yao et al. 2025) on the sampler's logprobs:
@@ -312,7 +312,8 @@ def policy_loss(logprobs: torch.Tensor, *, batch: dict, old_logprobs: torch.Tens
         normalizer: the masked sum is divided by it (`loss_normalizer`); None = this call's
             own token count.
         eps_low, eps_high: asymmetric clip range (clip-higher).
-        tis_cap: C, the cap of the TIS weight; 0 = off (w = 1).
+        tis_cap: C, the cap of the TIS weight; 0 = off (w = 1). The defaults here are the
+            command line's (a caller from Python trains as grpo.py does, tests/faults.md L33).
         entropy: (B, T) per-token entropy, for the metric only (there is no bonus term).
     Returns:
         loss: 0-dim tensor.
@@ -397,7 +398,8 @@ def _logprobs(model, mb, proc: Dist, chunk_size: int, temperature: float, with_e
     with torch.autocast(proc.device.type, proc.autocast_dtype, enabled=proc.autocast_dtype is not None):
         return sft.token_logprobs(model, mb["input_ids"].to(proc.device), mb["attention_mask"].to(proc.device),
                                   mb["position_ids"].to(proc.device), chunk_size, temperature,
-                                  return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]))
+                                  return_entropy=with_entropy, start=sft.first_loss_column(mb["loss_mask"]),
+                                  check_finite=False)
 
 
 UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "tis_cap", "chunk_size", "temperature",
@@ -405,7 +407,7 @@ UPDATE_ARGS = ("updates_per_step", "micro_batch", "eps_low", "eps_high", "tis_ca
 
 
 def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_batch: int, updates_per_step: int = 1,
-                  eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 0.0, chunk_size: int = 1024,
+                  eps_low: float = 0.20, eps_high: float = 0.28, tis_cap: float = 2.0, chunk_size: int = 1024,
                   temperature: float = 1.0, grad_clip: float = 1.0, pad_id: int = 0, progress=None,
                   reference=None) -> dict:
     """The training half of a GRPO step: `updates_per_step` optimizer steps over this rank's
@@ -425,8 +427,11 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
         dict: sums, this rank's: loss_tokens (the `tokens` count every loss returns), every
         other metric `policy_loss` returns (a mean over its loss tokens) times those tokens,
         and sampler_logprob_gap (|trainer - sampler| logprob summed over loss tokens); none
-        without a loss token on any rank. grad_norm (sum over optimizer steps) and
-        optimizer_steps, both already identical on every rank.
+        without a loss token on any rank. grad_norms (one a mini-batch with a loss token, in
+        order; inf or NaN where that update was skipped, `sft.optimizer_step`) and
+        optimizer_steps (their count), both already identical on every rank. A non-finite
+        logit makes its update's gradient non-finite, so every rank skips that update
+        together (tests/faults.md L34), instead of raising on one rank mid-collective.
     """
     K = updates_per_step
     # 1) K mini-batches of micro-batches; sorted by length inside a mini-batch (less padding)
@@ -453,7 +458,7 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
         olds = {(k, j): _logprobs(model, mb, proc, chunk_size, temperature, False)
                 for k in range(1, K) if tokens[k] > 0 for j, mb in enumerate(minis[k])}
     # 4) K optimizer steps
-    sums, grad_norm = [], 0.0
+    sums, grad_norms = [], []
     for k in range(K):
         if tokens[k] == 0:  # no loss token on any rank: every rank skips (a global count)
             continue
@@ -476,11 +481,11 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
             sums.append({"loss_tokens": n, "sampler_logprob_gap": torch.where(mask, gap, 0.0).sum(),
                          **{name: value.double() * n for name, value in loss_metrics.items()}})
             progress.update()
-        grad_norm += sft.optimizer_step(model, optimizer, grad_clip)
+        grad_norms.append(sft.optimizer_step(model, optimizer, grad_clip))
     progress.close()
     # optimizer_steps: the mini-batches with a loss token, one skipped for a non-finite norm included
     return {"sums": {k: float(sum(s[k].double() for s in sums)) for k in (sorted(sums[0]) if sums else [])},
-            "grad_norm": grad_norm, "optimizer_steps": sum(t > 0 for t in tokens)}
+            "grad_norms": grad_norms, "optimizer_steps": len(grad_norms)}
 
 
 # -----------------------------------------------------------------------------
@@ -553,7 +558,8 @@ def step_metrics(step: int, problems, samples, rewards, dropped: int, train, tim
     earlier waits for it in the update's first collective, and its clock counts the wait),
     so rollout + exec + training is the step's wall time (tests/faults.md D15). The loss's
     metrics are means per loss token, absent (with grad_norm None) when no group had signal
-    (not a misleading 0).
+    (not a misleading 0). grad_norm is the mean over the updates applied (None if none was);
+    grad_norms lists each update's (None: skipped for a non-finite norm, tests/faults.md L34).
     Returns (metrics, records) as `grpo_step`."""
     correct = torch.tensor([is_correct(s, problems[i // G]) for i, s in enumerate(samples)])  # (N,)
     records = [{"step": step, "id": p["id"], "n": G, "correct": c, "reward": r} for p, c, r in
@@ -574,10 +580,12 @@ def step_metrics(step: int, problems, samples, rewards, dropped: int, train, tim
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
         records = [r for p in parts for r in p]
     loss_tokens = totals["loss_tokens"]
+    finite = [n for n in train["grad_norms"] if math.isfinite(n)]  # the updates applied
     metrics = {"step": step, "groups": int(totals["groups"]), "loss_tokens": int(loss_tokens),
                **{name: totals[a] / max(totals[b], 1.0) for name, (a, b) in SHARES.items()},
                **{name: totals[name] / loss_tokens for name in train["sums"] if name != "loss_tokens"},  # per token
-               "grad_norm": train["grad_norm"] / train["optimizer_steps"] if loss_tokens else None,
+               "grad_norm": sum(finite) / len(finite) if finite else None,
+               "grad_norms": [n if math.isfinite(n) else None for n in train["grad_norms"]],
                "optimizer_steps": train["optimizer_steps"], "lr": optimizer.param_groups[0]["lr"],
                **dict(zip(("time_rollout", "time_exec", "time_train"), times))}
     return metrics, (records if proc.rank == 0 else [])
@@ -842,9 +850,10 @@ def main(argv=None, reward_fn=None):
             batch = stream.next(args.prompts_per_step)
             metrics, records, samples = grpo_step(model, policy, tokenizer, optimizer, sandbox, batch, args, proc, step,
                                                   reward_fn=reward_fn, show_progress=show_bars)
-            # a non-finite gradient norm: the update was skipped (sft.optimizer_step, tests/faults.md D10)
-            skipped = 0 if math.isfinite(metrics["grad_norm"] or 0.0) else skipped + 1
-            metrics.update(skipped_in_a_row=skipped, grad_norm=None if skipped else metrics["grad_norm"])
+            # updates skipped in a row for a non-finite gradient norm (sft.optimizer_step, tests/faults.md D10, L34)
+            for norm in metrics["grad_norms"]:
+                skipped = 0 if norm is not None else skipped + 1
+            metrics["skipped_in_a_row"] = skipped
             if rank == 0:
                 executor.append_jsonl(os.path.join(args.out, "metrics.jsonl"), [metrics])
                 executor.append_jsonl(os.path.join(args.out, "pass_rates.jsonl"), records)

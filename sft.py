@@ -106,24 +106,44 @@ def state_gib(n_params: int, world: int = 1, fsdp: bool = False, shard: bool = F
     return n_params * (8 / (world if fsdp else 1) + 8 / (world if fsdp or shard else 1) + rollout_bytes) / 2 ** 30
 
 
+def feed_transient_bytes(config, dtype_bytes: int, width: int, chunk: int) -> int:
+    """Bytes one row adds to the peak of a multi-token engine forward (a prompt, an output
+    block) of `chunk` tokens over a KV cache `width` positions wide, one layer at a time:
+    transformers' bool mask, SDPA's float conversion of it and an aligned copy (CUDA's
+    memory-efficient kernel pads the bias), chunk x width x (1 + 2 x dtype_bytes); the
+    activations, chunk x dtype_bytes x (4 x hidden + 3 x MLP width + 3 x (H + 2 H_kv) x
+    head_dim); the last position's fp32 logits. No copy of the KV heads (transformers'
+    repeat_kv, 4x a layer's cache for Qwen3-4B): `executor._grouped_sdpa` (tests/faults.md G23)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 4 * config.hidden_size + 3 * config.intermediate_size + 3 * (heads + 2 * kv_heads) * head_dim
+    return chunk * width * (1 + 2 * dtype_bytes) + chunk * dtype_bytes * per_token + 4 * config.vocab_size
+
+
 def memory_plan(config, dtype_bytes: int, max_num_seqs: int, max_context: int, kv_cache_gb: float, state: float,
                 device) -> tuple:
-    """The rows a rank decodes at once (the engine's --max-num-seqs) so that the KV cache they
-    can reach, rows x max_context tokens x `kv_bytes_per_token`, fits the budget:
-    `kv_cache_gb` GiB, or with 0 on CUDA 90% of the GPU's memory less `state` GiB (the
-    model and optimizer state a rank holds; vLLM's gpu_memory_utilization), on CPU no limit.
+    """The rows a rank decodes at once (the engine's --max-num-seqs) so that what they can
+    reach fits the budget: the KV cache, rows x max_context tokens x `kv_bytes_per_token`, and
+    the transient of a multi-token forward over it (`feed_transient_bytes` at max_context
+    wide, `executor.FEED_CHUNK` tokens). The budget: `kv_cache_gb` GiB, or with 0 on CUDA 90%
+    of the GPU's memory less `state` GiB (the model and optimizer state a rank holds; vLLM's
+    gpu_memory_utilization), on CPU no limit.
     Returns (rows, 0 = all; the plan in one line). Raises InputError when no row fits."""
     bpt = kv_bytes_per_token(config, dtype_bytes)
-    row = bpt * max_context / 2 ** 30  # GiB a row can reach
+    kv = bpt * max_context / 2 ** 30  # GiB of KV cache a row can reach
+    feed = feed_transient_bytes(config, dtype_bytes, max_context, executor.FEED_CHUNK) / 2 ** 30  # GiB a row
+    row = kv + feed
     total = torch.cuda.mem_get_info(device)[1] / 2 ** 30 if device.type == "cuda" else 0.0  # GiB
     budget = kv_cache_gb or max(0.9 * total - state, 1e-9 * total)  # (a full GPU: a budget no row fits)
     rows = max_num_seqs
     if budget:
         if budget < row:
             raise executor.InputError(f"--kv-cache-gb: one row of {max_context} tokens needs {row:.2f} GiB of KV "
-                                      f"cache, over the budget of {budget:.2f} GiB: lower --max-context")
+                                      f"cache and forward transient, over the budget of {budget:.2f} GiB: lower "
+                                      f"--max-context")
         rows = min(max_num_seqs or 1 << 30, int(budget // row))
-    cache = f"{rows * row:.1f} GiB" if rows else "no cap"
+    cache = f"{rows * kv:.1f} GiB + forward transient {rows * feed:.2f} GiB" if rows else "no cap"
     return rows, (f"memory plan a rank: KV cache {bpt:,} bytes a token x {rows or 'all'} rows x {max_context:,} tokens"
                   f" = {cache} at most (budget {f'{budget:.1f} GiB' if budget else 'none'}); "
                   f"model + optimizer state {state:.1f} GiB")
@@ -148,7 +168,8 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0):
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0,
+                check_finite=True):
         assert not getattr(getattr(self.lm, "config", None), "final_logit_softcapping", None), \
             "token_logprobs: final logit soft-capping is not supported"
         body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
@@ -164,7 +185,7 @@ class LogprobModel(nn.Module):
             h, tgt = hidden[:, s:e], input_ids[:, s + 1:e + 1]  # (B, C, H), (B, C): h at t predicts t + 1
             # recompute the chunk's (B, C, V) logits in backward instead of keeping them
             chunks.append(torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, tgt, temperature, entropy,
-                                                            use_reentrant=False))
+                                                            check_finite, use_reentrant=False))
         logps, ents = zip(*chunks)
         return torch.cat(logps, dim=1), torch.cat(ents, dim=1)  # (B, T), (B, T)
 
@@ -246,23 +267,27 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(attention_mask.long(), dim=-1) - 1).clamp(min=0)
 
 
-def _head_logprobs(head, hidden, targets, temperature, entropy):
-    """(B, C, H), (B, C) -> (B, C), (B, C): logprob of each target and the entropy (or 0), fp32."""
+def _head_logprobs(head, hidden, targets, temperature, entropy, check_finite=True):
+    """(B, C, H), (B, C) -> (B, C), (B, C): logprob of each target and the entropy (or 0), fp32.
+    check_finite: raise on a non-finite row of logits (`executor.check_finite_logits`)."""
     logits = head(hidden).float()  # (B, C, V)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)  # (B, C)
-    executor.check_finite_logits(lse.detach(), "token_logprobs")
+    if check_finite:
+        executor.check_finite_logits(lse.detach(), "token_logprobs")
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse  # (B, C)
     if not entropy:
         return logp, torch.zeros_like(logp)
     probs = torch.exp(logits - lse[..., None])  # (B, C, V)
-    plogits = torch.where(probs > 0, probs * logits, torch.zeros_like(probs))  # a masked (-inf) token adds 0
+    # a masked (-inf) token adds 0; its logit is replaced before the product, whose backward
+    # would otherwise keep 0 * -inf = NaN (tests/faults.md G22)
+    plogits = probs * torch.where(probs > 0, logits, 0.0)  # (B, C, V)
     return logp, lse - plogits.sum(-1)  # (B, C) each
 
 
 def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_size: int = 1024,
-                   temperature: float = 1.0, return_entropy: bool = False, start: int = 0):
+                   temperature: float = 1.0, return_entropy: bool = False, start: int = 0, check_finite: bool = True):
     """Logprob of every token given the tokens before it, without materialising (B, T, V).
 
     Runs the model's body once (hidden states), then the output projection and log-softmax
@@ -277,6 +302,9 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
         start: first column to compute (clamped to [1, T - 1]); columns before it are 0. The
             body still reads every token, but the (B, C, V) head, its log-softmax and their
             recomputation in backward skip the prompt (`first_loss_column`).
+        check_finite: a ValueError naming the row for a NaN, +inf or all -inf row of logits
+            (tests/faults.md G11); False lets it through as NaN (GRPO's update skips it on
+            every rank together, L34).
     Returns:
         logprobs (B, T) fp32 aligned with input_ids (the same layout as Sample.ids / .roles /
         .logprobs): logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); column 0 is 0.
@@ -286,7 +314,8 @@ def token_logprobs(model, input_ids, attention_mask, position_ids=None, chunk_si
     position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
     if not (_is_ddp(model) or isinstance(model, LogprobModel)):
         model = LogprobModel(model)  # a bare Hugging Face model
-    logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start)
+    logp, ent = model(input_ids, attention_mask, position_ids, chunk_size, temperature, return_entropy, start,
+                      check_finite)
     return (logp, ent) if return_entropy else logp
 
 
@@ -684,11 +713,14 @@ def load_trainer_state(ckpt_dir: str, optimizer=None, logs=()) -> dict:
     Raises:
         FileNotFoundError: no trainer state in `ckpt_dir`; ValueError: see `load_optimizer_state`.
     """
-    rank0, path = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
+    rank0, own = (os.path.join(ckpt_dir, f"trainer_state_rank{r}.pt") for r in (0, _rank()))
     sharded = optimizer is not None and _is_sharded(p for g in optimizer.param_groups for p in g["params"])
-    if not os.path.exists(path) and not sharded:  # FSDP's shards are each rank's own (tests/faults.md D9)
-        path = rank0  # torch.load: FileNotFoundError naming it if absent
+    path = own if os.path.exists(own) else rank0  # torch.load: FileNotFoundError naming it if absent
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if sharded and path != own and ("optimizer" in state or "optimizer_shard" in state):
+        # FSDP's shards are each rank's own (tests/faults.md D9); a weights-only checkpoint (no
+        # optimizer) resumes on any number of ranks from rank 0's state (D17)
+        raise FileNotFoundError(f"{own}: this rank's optimizer shard is missing")
     if "optimizer" not in state and "optimizer_shard" not in state and path != rank0:
         # a DDP rank > 0: the optimizer is rank 0's
         state["optimizer"] = torch.load(rank0, map_location="cpu", weights_only=False, mmap=True).get("optimizer")
@@ -793,7 +825,8 @@ def add_training_args(p):
     p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
     p.add_argument("--max-skipped-steps", type=nonneg_int, default=5,
-                   help="stop after this many steps in a row skipped for a non-finite gradient; 0 = never")
+                   help="stop after this many optimizer steps (grpo: updates) in a row skipped for a non-finite "
+                        "gradient; 0 = never")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
     # system
     p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")

@@ -771,7 +771,8 @@ def test_a_groups_samples_placed_one_by_one_share_one_prefill(model, tokenizer, 
     finally:
         del model.forward
     assert all(n == 1 for n, _, _ in calls)
-    assert [fed for _, fed, _ in calls if fed[0] > 1] == [[len(prompt)]]
+    prefill = [fed[0] for _, fed, _ in calls if fed[0] > 1]  # fed once, in forwards of FEED_CHUNK at most (G23)
+    assert sum(prefill) == len(prompt) and max(prefill) <= ex.FEED_CHUNK
     assert sum(fed[0] for _, fed, _ in calls) == len(prompt) + sum(s.n_model_tokens - 1 for s in one)
     together = ex.rollout(model, tokenizer, [prompt], sandbox, **kw)
     assert [s.ids for s in one] == [s.ids for s in together] and len({s.ids[len(prompt)] for s in one}) > 1
@@ -779,3 +780,56 @@ def test_a_groups_samples_placed_one_by_one_share_one_prefill(model, tokenizer, 
     for s, t in zip(one, together):
         lp, ref = torch.tensor(s.logprobs), torch.tensor(t.logprobs)
         assert (lp - ref).nan_to_num().abs().max().item() < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# A multi-token forward's memory (tests/faults.md G23)
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes live at once from CPU allocations made while fn() runs (the profiler's
+    allocation and free events, in order): a count, not a clock."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("fed", [16, 300])
+def test_multi_token_forward_peak_is_within_the_plans_figure_G23(fed):
+    """4 rows, 1,040 cache positions, one row feeding `fed` tokens (an output block) while the
+    others decode, on a Qwen3 with 8 query heads over 2 KV heads (fp32): the forward's peak is
+    within what the memory plan counts for it (`sft.feed_transient_bytes`, 4 rows, the width
+    the last forward attends over, min(fed, FEED_CHUNK) tokens), and its logits are a
+    cache-free forward's. Before, transformers' sdpa copied the KV heads to all 8 query heads
+    (repeat_kv: 4x a layer's cache, 8.5 MB here) beyond the plan."""
+    import sft
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    B, S = 4, 1024
+    hist = torch.randint(3, 384, (B, S), generator=torch.Generator().manual_seed(0)).tolist()
+    feeds = [torch.randint(3, 384, (fed,), generator=torch.Generator().manual_seed(1)).tolist()] + [[7]] * (B - 1)
+    cache = ex._kv_cache(model, 4096)
+    with torch.inference_mode():
+        # prefilled past S, then cropped: the slab has room for the feed (its growth is not this transient)
+        _, mask = ex._forward_chunk(model, cache, torch.zeros((B, 0), dtype=torch.long), [h * 2 for h in hist], 0)
+        cache.crop(-S)
+        _, mask = ex._forward_chunk(model, cache, mask[:, :S], [[5]] * B, 0)
+        assert cache.layers[0].k_slab.shape[2] >= mask.shape[1] + fed
+        got = {}
+        peak = _peak_bytes(lambda: got.update(out=ex._forward_chunk(model, cache, mask, feeds, 0)))
+        logits, new_mask = got["out"]
+        width = mask.shape[1] + fed
+        assert peak <= B * sft.feed_transient_bytes(cfg, 4, width, min(fed, ex.FEED_CHUNK))
+        ref = model(input_ids=torch.tensor([hist[0] + [5] + feeds[0]])).logits[0, -1]
+    assert (logits[0] - ref).abs().max().item() < 1e-4 and new_mask.shape == (B, width)

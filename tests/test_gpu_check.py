@@ -44,7 +44,7 @@ def test_dry_run_runs_every_row_without_error(dry_run):
     assert [r.get("error") for r in report["rows"] if "error" in r] == [] and n_errors == 0
     labels = [r["row"] for r in report["rows"]]
     assert labels == [label for label, *_ in gpu_check.plan(gpu_check.DRY)]
-    assert len(labels) == 2 * 3 + 1 + 1 + 4 + 1 + 2 + 4 + 1
+    assert len(labels) == 2 * 3 + 1 + 1 + 4 + 1 + 2 + 4 + 1 + 1
     for label in labels:
         assert any(line.startswith(label) for line in stdout.splitlines()), label
     assert report["dry_run"] is True and report["device"] == "cpu"
@@ -127,7 +127,9 @@ def test_a_failing_row_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
 def test_layout_rows_model_fsdp8_and_ddp8_per_rank_D13(dry_run):
     """tiny-b, fp32 on CPU (4 bytes a parameter): FSDP-8 holds 16 / 8 + 4 = 6 bytes a parameter
     a rank, DDP-8 16 + 4 = 20; rows = floor((0.9 x capacity - state) / (1,152 bytes x context)), at
-    most 32; the plan's KV bytes a token equal a real cache's."""
+    most 32; the plan's KV bytes a token equal a real cache's. A row also counts a multi-token
+    forward's transient (tests/faults.md G23): 256 tokens x c x 9 bytes (mask) + 256 x 4 x
+    (4 x 96 + 3 x 192 + 3 x 8 x 24) (activations) + 4 x 512 (logits)."""
     _, report, _ = dry_run
     rows = {r["row"].split()[-1]: r for r in report["rows"] if r["row"].startswith("layout")}
     assert sorted(rows) == ["DDP-8", "FSDP-8"]
@@ -138,7 +140,8 @@ def test_layout_rows_model_fsdp8_and_ddp8_per_rank_D13(dry_run):
         assert r["state_gib"] * gpu_check.GiB == pytest.approx(TINY_B_PARAMS * per_param, rel=1e-12)
         for c in (256, 512):
             budget = 0.9 * r["capacity_gib"] - r["state_gib"]
-            assert r[f"rows_at_{c}"] == min(32, int(budget // (1152 * c / gpu_check.GiB)))
+            feed = 256 * c * 9 + 256 * 4 * (4 * 96 + 3 * 192 + 3 * 8 * 24) + 4 * 512
+            assert r[f"rows_at_{c}"] == min(32, int(budget // ((1152 * c + feed) / gpu_check.GiB)))
 
 
 def test_two_ranks_row_runs_grpo_under_torchrun(dry_run):
@@ -146,3 +149,15 @@ def test_two_ranks_row_runs_grpo_under_torchrun(dry_run):
     (r,) = [r for r in report["rows"] if r["row"].startswith("ranks2")]
     assert (r["ranks"], r["steps"], r["optimizer_steps"]) == (2, 2, 2)
     assert r["plan"].startswith("memory plan a rank: KV cache 512 bytes a token")
+
+
+def test_feed_row_counts_the_plans_transient_G23(dry_run):
+    """tiny-b (fp32 on CPU) at 512 positions (2 x the dry run's context), a 300-token block (two
+    forwards: 44 + 256 tokens): the plan's figure is rows x the hand count at 812 positions;
+    no peak on CPU (measured by the CPU test of tests/test_engine.py, G23)."""
+    _, report, _ = dry_run
+    (r,) = [r for r in report["rows"] if r["row"].startswith("feed")]
+    assert (r["width"], r["block"], r["transient_gib"], r["within_plan"]) == (512, 300, None, None)
+    feed = 256 * 812 * 9 + 256 * 4 * (4 * 96 + 3 * 192 + 3 * 8 * 24) + 4 * 512
+    assert r["plan_gib"] * gpu_check.GiB == pytest.approx(r["rows"] * feed, rel=1e-12) and 1 <= r["rows"] <= 32
+    assert r["repeat_kv_gib"] * gpu_check.GiB == pytest.approx(2 * r["rows"] * 4 * 812 * 24 * 4, rel=1e-12)

@@ -6,6 +6,7 @@ per session, with a timeout so that a hang fails the test instead of the run.
 """
 import copy
 import itertools
+import inspect
 import json
 import math
 import os
@@ -51,7 +52,7 @@ def make_args(*extra, **kw):
 
 
 def loss_batch(advantages, mask, sampler_logprobs=None):
-    """The micro-batch fields `policy_loss` reads; sampler logprobs default to NaN (TIS off)."""
+    """The micro-batch fields `policy_loss` reads; sampler logprobs default to NaN (for tis_cap=0: TIS off)."""
     nan = torch.full(mask.shape, float("nan"))
     return {"advantages": advantages, "loss_mask": mask, "sampler_logprobs": nan if sampler_logprobs is None
             else sampler_logprobs}
@@ -172,7 +173,7 @@ def test_policy_loss_values_and_gradients_L4():
     for r, A, want, clipped in cases:
         lp = torch.tensor([[math.log(r)]], requires_grad=True)
         loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([float(A)]), torch.ones(1, 1, dtype=torch.bool)),
-                                   old_logprobs=torch.zeros(1, 1), eps_low=0.2, eps_high=0.28)
+                                   old_logprobs=torch.zeros(1, 1), eps_low=0.2, eps_high=0.28, tis_cap=0.0)
         loss.backward()
         assert loss.item() == pytest.approx(want, abs=1e-6), (r, A)
         assert (lp.grad.item() == 0.0) == clipped, (r, A, lp.grad)
@@ -187,7 +188,7 @@ def test_token_level_weights_L1():
     mask[0, :10] = True
     mask[1, :] = True
     old = torch.where(mask, torch.zeros(2, 1000), torch.full((2, 1000), float("nan")))
-    loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([1.0, -1.0]), mask), old_logprobs=old)
+    loss, m = grpo.policy_loss(lp, batch=loss_batch(torch.tensor([1.0, -1.0]), mask), old_logprobs=old, tis_cap=0.0)
     loss.backward()
     # the objective's weight of every valid token is A_i / 1010 (the loss gradient is its negative)
     assert torch.allclose(lp.grad[0, :10], torch.full((10,), -1 / 1010))
@@ -220,12 +221,24 @@ def test_defaults_have_no_hidden_terms_L8():
     ent = torch.rand(3, 7) * 5
     flags = {k: getattr(args, k) for k in ("eps_low", "eps_high", "tis_cap")}  # the defaults' values
     l1, m1 = grpo.policy_loss(lp, batch=loss_batch(adv, mask, old), old_logprobs=old, entropy=ent, **flags)
-    l0, _ = grpo.policy_loss(lp, batch=loss_batch(adv, mask), old_logprobs=old)
+    l0, _ = grpo.policy_loss(lp, batch=loss_batch(adv, mask), old_logprobs=old, tis_cap=0.0)
     r = torch.exp(lp - old)
     ref = -torch.minimum(r * adv[:, None], r.clamp(0.8, 1.28) * adv[:, None])[mask].sum() / mask.sum()
     assert l1.item() == l0.item() == pytest.approx(ref.item(), abs=1e-6)  # entropy is a metric, not a term
     assert {"loss", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy"} <= set(m1)
     assert m1["loss"].item() == pytest.approx(ref.item(), abs=1e-6)  # the loss is logged
+
+
+@pytest.mark.timeout(10)
+def test_function_defaults_are_the_command_line_defaults_L33():
+    """A forker who calls `update_policy` or `policy_loss` from Python trains as grpo.py does:
+    every default they share with a flag is the flag's (TIS on at 2.0; it was off)."""
+    args = grpo.parse_args(["--out", "y"])
+    for fn in (grpo.update_policy, grpo.policy_loss):
+        defaults = {n: p.default for n, p in inspect.signature(fn).parameters.items()
+                    if hasattr(args, n) and p.default is not inspect.Parameter.empty}
+        assert defaults == {n: getattr(args, n) for n in defaults}, fn.__name__
+        assert defaults["tis_cap"] == 2.0
 
 
 # -----------------------------------------------------------------------------
@@ -235,7 +248,8 @@ def test_defaults_have_no_hidden_terms_L8():
 class ScriptedPolicy(torch.nn.Module):
     """Emits fixed model segments through the real `executor.rollout`. Every row writes the
     same text, so the next token depends only on the row's position: segment k starts
-    after the k-th multi-token feed (the prompt, then each output block). Rows may pause
+    after the k-th multi-token feed (the prompt, then each output block; a feed the engine
+    cut into several forwards counts once). Rows may pause
     for their blocks at different times and leave the batch in any order.
     `fed[p]` is the token fed at position p (the same in every row, or a test fails)."""
 
@@ -256,6 +270,8 @@ class ScriptedPolicy(torch.nn.Module):
             if not real[b].any():  # a row waiting on its block
                 continue
             if real[b].sum() > 1 and q not in self.starts:  # after the prompt or an output block
+                if self.starts and int(position_ids[b][real[b]][0]) == self.starts[-1] + 1:
+                    self.starts.pop()  # the rest of a feed the engine cut (executor.FEED_CHUNK)
                 self.next.update({q + j: t for j, t in enumerate(self.segments[len(self.starts)])})
                 self.starts.append(q)
             logits[b, 0, self.next[q]] = 0.0

@@ -5,6 +5,7 @@ The 2-rank cases run this file as a `torchrun --nproc_per_node 2` worker (gloo, 
 per session, with a timeout so that a hang fails the test instead of the run.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +56,8 @@ def _alternate(samples, problems):
 def two_ranks(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("scale")
     data = _write_problems(out / "p.jsonl", 4)
+    # a weights-only checkpoint of one rank, for the 2-rank FSDP resume (tests/faults.md D17)
+    grpo.main(_cli(tiny_dir, data, str(out / "w1"), "--steps", "1", "--no-save-optimizer"), reward_fn=_alternate)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), "--worker", str(out), tiny_dir, data]
@@ -112,6 +115,37 @@ def test_sync_policy_gathers_one_parameter_at_a_time_in_the_rollout_dtype_D6(two
 
 
 @pytest.mark.timeout(500)
+def test_weights_only_checkpoint_resumes_on_more_fsdp_ranks_D17(two_ranks):
+    """A 1-rank --no-save-optimizer checkpoint (step 1) resumed with --fsdp on 2 ranks: every
+    rank takes rank 0's trainer state (step, data order; no optimizer) and AdamW starts fresh;
+    step 2 runs (before: rank 1 died on its missing trainer_state_rank1.pt)."""
+    for r in two_ranks.res:
+        assert r["d17_error"] is None, r["d17_error"]
+    rows = ex.read_jsonl_tolerant(str(two_ranks.dir / "d17" / "metrics.jsonl"))
+    assert [m["step"] for m in rows] == [2] and rows[0]["optimizer_steps"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_error_on_rank_1_reaches_the_user_once_D16(tiny_dir, tmp_path):
+    """grpo.py on 2 ranks whose reward returns NaN on rank 1's samples only: stderr holds rank
+    1's one line naming the reward's problem, prefixed with its rank, once (before: rank 1 exited
+    without a word; the user saw rank 0's "Connection closed by peer" and torchrun's block)."""
+    data = _write_problems(tmp_path / "p.jsonl", 4)
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\n\ndef nan_on_rank1(samples, problems):\n"
+                      "    return [float('nan') if os.environ['RANK'] == '1' else 1.0 for _ in samples]\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "grpo.py"), *_cli(tiny_dir, data, str(tmp_path / "o"), "--steps", "1", "--reward",
+                                               f"{reward}:nan_on_rank1")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if "error: reward nan" in x]
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] grpo.py: error: reward nan for a sample of problem 'p"), \
+        r.stderr[-3000:]
+
+
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("ckpt, extra", [("fsdp", ["--fsdp"]), ("zero", ["--shard-optimizer"]),
                                          ("zero", [])])
 def test_resume_on_another_world_size_is_refused_D8(two_ranks, tmp_path, ckpt, extra):
@@ -164,6 +198,9 @@ def _worker(out, tiny_dir, data):
         except Exception as e:
             return [type(e).__name__, ""], str(e)
 
+    # D17: the 1-rank weights-only checkpoint resumed on 2 FSDP ranks: AdamW starts fresh
+    (kind, _), msg = refused("d17", "--resume", os.path.join(out, "w1", "latest"), "--fsdp")
+    res["d17_error"] = f"{kind}: {msg[:300]}" if kind != "none" else None
     # D7: the FSDP checkpoint resumed under DDP on as many ranks
     (kind, _), msg = refused("d7", "--resume", os.path.join(out, "fsdp", "latest"))
     res["d7_error"], res["d7_message"] = [kind, "--fsdp toggled" if "FSDP" in msg else msg[:300]], msg
@@ -255,6 +292,52 @@ def test_run_of_nonfinite_steps_stops_and_keeps_the_last_good_checkpoint_D10(tin
     assert torch.load(os.path.join(out, "latest", "trainer_state_rank0.pt"), weights_only=False)["step"] == 2
 
 
+def test_skips_are_logged_and_counted_per_update_L34(tiny_dir, tmp_path, monkeypatch):
+    """--updates-per-step 2, the second mini-batch's advantages inf at every step: its update is
+    skipped, the first applied. metrics.jsonl logs grad_norms [x, null], grad_norm x, and 1
+    update skipped in a row after each step (the applied one breaks the run), so
+    --max-skipped-steps 2 does not stop the run (before: every step logged as skipped, grad_norm
+    null, and the run stopped after step 2 although half its updates were applied)."""
+    data = _write_problems(tmp_path / "p.jsonl", 4)
+    out = str(tmp_path / "o")
+    real = grpo.compute_advantages
+
+    def second_half_inf(samples, rewards, G):
+        adv = real(samples, rewards, G)
+        adv[len(adv) // 2:] = float("inf")  # update_policy's second mini-batch
+        return adv
+
+    monkeypatch.setattr(grpo, "compute_advantages", second_half_inf)
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "3", "--updates-per-step", "2", "--max-skipped-steps", "2"),
+              reward_fn=_alternate)
+    rows = ex.read_jsonl_tolerant(os.path.join(out, "metrics.jsonl"))
+    assert [(m["step"], m["skipped_in_a_row"], m["optimizer_steps"]) for m in rows] == [(1, 1, 2), (2, 1, 2), (3, 1, 2)]
+    for m in rows:
+        assert m["grad_norms"][1] is None and m["grad_norms"][0] > 0 and m["grad_norm"] == m["grad_norms"][0]
+
+
+def test_nonfinite_logit_in_the_update_skips_it_instead_of_raising_L34(tokenizer):
+    """A NaN logit at a loss token in the trainer's forward: update_policy does not raise (on
+    one rank, while the others wait in a collective); the update's gradient norm is NaN, the
+    same on every rank, and it is skipped: weights and AdamW state unchanged."""
+    from test_grpo import fake_sample
+    lm = tiny.make_model(tokenizer).train()
+    head = lm.get_output_embeddings()
+
+    def nan_logit(module, inputs, out):
+        out = out.clone()
+        out[0, -1, 5] = float("nan")
+        return out
+
+    head.register_forward_hook(nan_logit)
+    opt = sft.make_optimizer(lm.parameters(), 1e-2)
+    before = [p.detach().clone() for p in lm.parameters()]
+    samples = [fake_sample(3, 6, i, len(tokenizer)) for i in range(2)]
+    out = grpo.update_policy(lm, opt, samples, torch.tensor([1.0, -1.0]), grpo.Dist(), micro_batch=2)
+    assert len(out["grad_norms"]) == 1 and math.isnan(out["grad_norms"][0])
+    assert all(torch.equal(a, p) for a, p in zip(before, lm.parameters())) and not opt.state
+
+
 def test_checkpoint_is_never_written_from_nonfinite_weights_D11(tokenizer, tmp_path):
     """A NaN weight: save_checkpoint raises before writing; the checkpoint there stays."""
     lm = tiny.make_model(tokenizer)
@@ -301,19 +384,26 @@ def test_kv_bytes_per_token_by_hand_D12(tokenizer):
 
 
 def test_memory_plan_caps_rows_to_the_budget_D12(tokenizer):
-    """A row of 1,024 tokens at 512 bytes reaches 2^19 bytes = 2^-11 GiB: a budget of 5.5 rows
-    admits 5 (of --max-num-seqs 32, or of 0 = all); 0 on CPU admits --max-num-seqs; a budget
-    under one row is refused. State per rank: 2^30 parameters x 16 bytes over 8 FSDP ranks =
-    2 GiB, + 2 for a bf16 rollout copy; ZeRO on 8 ranks: 8 + 1 = 9 GiB."""
+    """A row of 1,024 tokens at 512 bytes reaches 2^19 bytes of KV cache, and a multi-token
+    forward over it (256 tokens fed, fp32) 256 x 1,024 x 9 (the bool mask, its float copy and
+    an aligned one) + 256 x 4 x (4 x 64 + 3 x 128 + 3 x (4 + 2 x 2) x 16) (activations) + 4 x V
+    (logits) bytes more: a budget of 5.5 rows admits 5 (of --max-num-seqs 32, or of 0 = all); 0
+    on CPU admits --max-num-seqs; a budget under one row is refused. State per rank: 2^30
+    parameters x 16 bytes over 8 FSDP ranks = 2 GiB, + 2 for a bf16 rollout copy; ZeRO on 8
+    ranks: 8 + 1 = 9 GiB."""
     cfg, cpu = tiny.make_model(tokenizer).config, torch.device("cpu")
-    rows, line = sft.memory_plan(cfg, 4, 32, 1024, 5.5 / 2 ** 11, 4.0, cpu)
+    feed = 256 * 1024 * 9 + 256 * 4 * (4 * 64 + 3 * 128 + 3 * 8 * 16) + 4 * len(tokenizer)
+    assert sft.feed_transient_bytes(cfg, 4, 1024, 256) == feed
+    row = (2 ** 19 + feed) / 2 ** 30  # GiB
+    rows, line = sft.memory_plan(cfg, 4, 32, 1024, 5.5 * row, 4.0, cpu)
     assert rows == 5 and line == ("memory plan a rank: KV cache 512 bytes a token x 5 rows x 1,024 tokens = 0.0 GiB "
-                                  "at most (budget 0.0 GiB); model + optimizer state 4.0 GiB")
-    assert sft.memory_plan(cfg, 4, 0, 1024, 5.5 / 2 ** 11, 0.0, cpu)[0] == 5
-    assert sft.memory_plan(cfg, 4, 3, 1024, 5.5 / 2 ** 11, 0.0, cpu)[0] == 3
+                                  "+ forward transient 0.02 GiB at most (budget 0.0 GiB); model + optimizer state "
+                                  "4.0 GiB")
+    assert sft.memory_plan(cfg, 4, 0, 1024, 5.5 * row, 0.0, cpu)[0] == 5
+    assert sft.memory_plan(cfg, 4, 3, 1024, 5.5 * row, 0.0, cpu)[0] == 3
     assert sft.memory_plan(cfg, 4, 32, 1024, 0.0, 0.0, cpu)[0] == 32
     with pytest.raises(ex.InputError, match="one row of 1024 tokens needs 0.00 GiB"):
-        sft.memory_plan(cfg, 4, 32, 1024, 0.5 / 2 ** 11, 0.0, cpu)
+        sft.memory_plan(cfg, 4, 32, 1024, 0.5 * row, 0.0, cpu)
     assert sft.state_gib(2 ** 30, 8, fsdp=True, rollout_bytes=2) == 4.0
     assert sft.state_gib(2 ** 30, 8, shard=True) == 9.0 and sft.state_gib(2 ** 30) == 16.0
 
@@ -321,26 +411,29 @@ def test_memory_plan_caps_rows_to_the_budget_D12(tokenizer):
 def test_paper_scale_plan_in_the_readme_D13():
     """The README's rows: Qwen3-4B (4.02e9 parameters; 147,456 bytes a token), FSDP-8 with a bf16
     rollout copy, the default budget (90% of the GPU less the state): H200 (139.8 GiB) and
-    H100 80 GB (79.6 GiB) at 16K and 32K."""
+    H100 80 GB (79.6 GiB) at 16K and 32K. A multi-token forward's transient (tests/faults.md G23)
+    counted, a row reaches 2.30 GiB at 16K: the H100 admits 24 rows there, not 25."""
     from transformers import Qwen3Config
     q4b = Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      hidden_size=2560)
+                      hidden_size=2560, intermediate_size=9728, vocab_size=151936)
     state = sft.state_gib(4.02e9, 8, fsdp=True, rollout_bytes=2)
     assert round(state, 1) == 15.0
     rows = {(gpu, ctx): sft.memory_plan(q4b, 2, 32, ctx, 0.9 * total - state, state, torch.device("cpu"))[0]
             for gpu, total in (("H200", 139.8), ("H100", 79.6)) for ctx in (16384, 32768)}
-    assert rows == {("H200", 16384): 32, ("H200", 32768): 24, ("H100", 16384): 25, ("H100", 32768): 12}
+    assert rows == {("H200", 16384): 32, ("H200", 32768): 24, ("H100", 16384): 24, ("H100", 32768): 12}
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "| H200 (139.8 GiB) | 16K | 2.25 | 110.8 | 32 (of 32) | 72.0 |" in readme
 
 
 def test_stage_admits_rows_by_kv_budget_D12(tiny_dir, tmp_path, capsys):
     """grpo.py --kv-cache-gb: the tiny model (fp32, 512 bytes a token) at --max-context 2048
-    reaches 2^20 bytes a row; a budget of 3.5 rows admits 3 of --max-num-seqs 32, printed in
-    one line and recorded in args.json."""
+    reaches 2^20 bytes of KV cache a row and a multi-token forward's transient more; a budget
+    of 3.5 rows admits 3 of --max-num-seqs 32, printed in one line and recorded in args.json."""
     data = _write_problems(tmp_path / "p.jsonl", 2)
     out = str(tmp_path / "o")
-    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--max-context", "2048", "--kv-cache-gb", str(3.5 * 2 ** -10)),
+    cfg = ex.load_model(tiny_dir)[0].config
+    row = (2 ** 20 + sft.feed_transient_bytes(cfg, 4, 2048, ex.FEED_CHUNK)) / 2 ** 30
+    grpo.main(_cli(tiny_dir, data, out, "--steps", "1", "--max-context", "2048", "--kv-cache-gb", str(3.5 * row)),
               reward_fn=_alternate)
     assert "KV cache 512 bytes a token x 3 rows x 2,048 tokens" in capsys.readouterr().out
     assert json.load(open(os.path.join(out, "args.json")))["max_num_seqs"] == 3

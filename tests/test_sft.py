@@ -314,6 +314,25 @@ def test_entropy_with_a_masked_token_and_non_finite_logits(model):
         h.remove()
 
 
+@pytest.mark.timeout(10)
+def test_entropy_gradient_of_a_row_with_a_masked_token_G22():
+    """The entropy of a row with a -inf logit has the gradient of the same row without that
+    entry, and exactly 0 on it (the product kept 0 * -inf = NaN in backward: an entropy
+    bonus trained on NaN)."""
+    z = torch.tensor([[[0.3, -1.2, 2.0, 0.5, 0.0]]])  # (B, C, V) = (1, 1, 5)
+    masked = z.clone()
+    masked[..., 1] = -float("inf")
+    masked.requires_grad_(True)
+    kept = z[..., [0, 2, 3, 4]].clone().requires_grad_(True)
+    target = torch.zeros(1, 1, dtype=torch.long)
+    (_, ent), (_, ref) = (sft._head_logprobs(lambda h: h, x, target, 1.0, True) for x in (masked, kept))
+    ent.sum().backward()
+    ref.sum().backward()
+    assert torch.isfinite(masked.grad).all() and masked.grad[0, 0, 1].item() == 0.0
+    torch.testing.assert_close(masked.grad[..., [0, 2, 3, 4]], kept.grad, atol=1e-7, rtol=0)
+    torch.testing.assert_close(ent, ref, atol=1e-7, rtol=0)
+
+
 @pytest.mark.parametrize("start", [0, 1, 9, 22, 40])
 def test_logprobs_from_start_skip_the_prompt_exactly(model, start):
     """token_logprobs(start=k) gives the full result at columns >= k (clamped to [1, T-1])

@@ -26,6 +26,10 @@ that fails, e.g. out of memory, is recorded as an error and the others still run
            device's memory): training state + rollout copy, rows admitted at 16K and 32K.
   sft      one `sft.backward_step` + AdamW step (1 sequence) at 16K and 32K, with and
            without checkpointing.
+  feed     a 1,000-token output block fed on one row while the others decode, at the rows
+           the plan admits (FSDP-8 state) x the full stage-3 context (32K): the forward's
+           peak above the weights and the KV cache against the plan's figure for it
+           (`sft.feed_transient_bytes`), and transformers' repeat_kv copy it avoids.
   ranks2   grpo.py under torchrun on 2 ranks, --fsdp, 2 steps of the tiny model (NCCL when
            two GPUs are there, else recorded as skipped; gloo on CPU in the dry run).
 
@@ -80,10 +84,10 @@ TINY = {"tiny-a": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=
 # lengths in tokens; "big" is the model that is trained (the paper's 4B)
 PAPER = dict(models=QWEN3, big="qwen3-4b", vocab=151936, batches=(1, 8, 32), prompt=128, new=128, group=8,
              rollout_batch=32, history=2048, turn=128, grpo=(8192, 16384), sft=(16384, 32768), context=16384,
-             copy_mib=4096, tail=(128, 512, 128))
+             copy_mib=4096, tail=(128, 512, 128), block=1000)
 DRY = dict(models=TINY, big="tiny-b", vocab=512, batches=(1, 8, 32), prompt=16, new=8, group=8,
            rollout_batch=16, history=64, turn=16, grpo=(64, 128), sft=(128, 256), context=256, copy_mib=64,
-           tail=(32, 32, 8))
+           tail=(32, 32, 8), block=300)
 GiB = 1 << 30
 # what the stages' parse_args require; nothing is read from or written to them here
 STAGE_ARGS = ["--data", os.path.join(ROOT, "data", "demo_problems.jsonl"),
@@ -133,13 +137,16 @@ class ForceTokens(LogitsProcessor):
 
 class TurnPlan:
     """Per-position script for identical rows: a multi-token feed (the prompt, an output
-    block) ending at position e starts the next turn, whose j-th token is sampled from the
-    logits at e + j. Past the last turn every row gets EOS."""
+    block; one the engine cut into several forwards counts once) ending at position e starts
+    the next turn, whose j-th token is sampled from the logits at e + j. Past the last turn
+    every row gets EOS."""
 
     def __init__(self, turns, eos):
         self.turns, self.eos, self.starts, self.plan = turns, eos, [], {}
 
     def __call__(self, pos, n_fed):
+        if n_fed > 1 and self.starts and pos - n_fed == self.starts[-1]:
+            self.starts.pop()  # the rest of a feed the engine cut into forwards (executor.FEED_CHUNK)
         if n_fed > 1 and pos not in self.starts and len(self.starts) < len(self.turns):
             for j, t in enumerate(self.turns[len(self.starts)]):
                 self.plan[pos + j] = t
@@ -429,6 +436,37 @@ def layout_row(ctx, layout):
     return row
 
 
+def feed_row(ctx):
+    """One S["block"]-token output block fed on row 0 while the other rows decode a token, at
+    the rows `sft.memory_plan` admits for the FSDP-8 layout at 2 x S["context"] (stage 3) on
+    this device's memory, over a KV cache filled to that width (zeros written into the
+    engine's slab: its content does not change the memory). The peak above what was allocated
+    before (weights, cache) against the plan's figure; the repeat_kv copy transformers' sdpa
+    would add, for comparison."""
+    lm, width, block = ctx.get(("policy", ctx.S["big"])), 2 * ctx.S["context"], ctx.S["block"]
+    cfg, dtype_bytes = lm.config, lm.dtype.itemsize
+    cap = torch.cuda.mem_get_info(ctx.dev)[1] if ctx.cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    state = sft.state_gib(sum(p.numel() for p in lm.parameters()), 8, fsdp=True, rollout_bytes=dtype_bytes)
+    rows = sft.memory_plan(cfg, dtype_bytes, 32, width, 0.9 * cap / GiB - state, state, torch.device("cpu"))[0]
+    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cache = ex._kv_cache(lm, width + block)
+    zeros = torch.zeros(rows, kv_heads, width, head_dim, dtype=lm.dtype, device=ctx.dev)
+    for layer in cache.layers:
+        layer.update(zeros, zeros)
+    del zeros
+    mask = torch.ones(rows, width, dtype=torch.long, device=ctx.dev)
+    feeds = [[ctx.x] * block] + [[ctx.x]] * (rows - 1)
+    before = torch.cuda.memory_allocated(ctx.dev) if ctx.cuda else None
+    with torch.inference_mode():
+        t, peak, _ = measured(ctx, lambda: ex._forward_chunk(lm, cache, mask, feeds, ctx.pad))
+    plan = rows * sft.feed_transient_bytes(cfg, dtype_bytes, width + block, ex.FEED_CHUNK)
+    transient = peak - before / GiB if ctx.cuda else None
+    return dict(rows=rows, width=width, block=block, time_s=t, transient_gib=transient, plan_gib=plan / GiB,
+                within_plan=None if transient is None else transient <= plan / GiB,
+                kv_cache_gib=sft.kv_bytes_per_token(cfg, dtype_bytes) * rows * width / GiB,
+                repeat_kv_gib=2 * rows * heads * (width + block) * head_dim * dtype_bytes / GiB)
+
+
 def two_ranks_row(ctx):
     """grpo.py itself under torchrun on 2 ranks with --fsdp (NCCL on 2 GPUs; gloo on CPU in the
     dry run), 2 steps of the tiny model with a reward that gives every group signal: the
@@ -464,6 +502,7 @@ def plan(S):
     rows.append((f"fit {S['big']} @{S['context']}", {big, "trainer"}, fit_row, ()))
     rows += [(f"layout {S['big']} {lay}", {big, "trainer"}, layout_row, (lay,)) for lay in ("FSDP-8", "DDP-8")]
     rows += [(f"sft {L} ckpt={int(c)}", {"trainer"}, sft_row, (L, c)) for c in (False, True) for L in S["sft"]]
+    rows.append((f"feed {S['big']} {S['block']} @{2 * S['context']}", {big}, feed_row, ()))
     rows.append(("ranks2 grpo --fsdp", set(), two_ranks_row, ()))
     return rows
 
@@ -481,7 +520,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (seconds on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", default="", help="comma-separated label prefixes to run "
-                   "(decode,rollout,batching,grpo,fit,layout,sft,ranks2)")
+                   "(decode,rollout,batching,grpo,fit,layout,sft,feed,ranks2)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "runs", "gpu_check.json"),
                    help="JSON report path")
     a = p.parse_args(argv)
