@@ -1,7 +1,8 @@
 """Compare evaluations of the same problems (data/README.md's "Does it learn?", data/recipe.sh):
 a row per policy, then its gain over the first policy with a paired test over problems.
 
-A row: accuracy (avg@k) with a 95% bootstrap interval over problems, accuracy among the
+A row: accuracy (avg@k) with a 95% interval (Wilson's at k = 1, never zero-width; else a
+bootstrap over problems), accuracy among the
 finished samples (ended by EOS: `finish_reason` 'stop'), the finish rate, the mean tool calls
 (executed blocks) per sample and the code-grounded rate (evaluate.code_grounded_rate: the share
 of answered samples whose answer appears in an execution output). A gain: the mean
@@ -16,6 +17,7 @@ baseline.
 
     python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
     python data/compare.py --budgets 768,1024,1536,2048 data/recipe/budget.samples.jsonl.gz
+    python data/compare.py --seeds a.gz,a1.gz,a2.gz b.gz,b1.gz,b2.gz   # a row per policy, its seeds averaged
 
 With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
 a sample finishes within B model tokens iff it ended by EOS after at most B (sampling is
@@ -103,6 +105,55 @@ def paired_bootstrap(before: np.ndarray, after: np.ndarray, draws: int, seed: in
     return float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))
 
 
+def wilson(right: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson's 95% score interval of a proportion right / n (n > 0): never zero-width, so 0 of
+    100 is [0.0, 3.7], where the bootstrap over problems gives [0, 0]. For k = 1 rows."""
+    p, q = right / n, z * z / n
+    half = z * math.sqrt(p * (1 - p) / n + q / (4 * n))
+    return max(0.0, (p + q / 2 - half) / (1 + q)), min(1.0, (p + q / 2 + half) / (1 + q))
+
+
+def sign_flip_p(diffs: np.ndarray, draws: int, seed: int, exact_up_to: int = 16) -> float:
+    """Two-sided p-value of a paired sign-flip (permutation) test of mean(diffs) = 0: under no
+    difference each problem's difference is as likely negated, so the null of |mean| is its
+    value over the 2^m sign patterns of the m nonzero differences: all of them when m <=
+    `exact_up_to`, else `draws` random ones, seeded (the observed one counted, so p >= 1 /
+    (draws + 1)). Per-problem means over seeds take few values with many ties and zeros, where
+    Wilcoxon's normal approximation is shaky; this test needs only the symmetry."""
+    nonzero = diffs[diffs != 0]
+    if len(nonzero) <= exact_up_to:
+        signs = 1.0 - 2.0 * ((np.arange(2 ** len(nonzero))[:, None] >> np.arange(len(nonzero))) & 1)
+        return float((np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).mean())
+    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=(draws, len(nonzero)))
+    return float((1 + (np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).sum()) / (draws + 1))
+
+
+def seed_table(groups: list, draws: int, seed: int) -> None:
+    """One row per policy trained with several seeds (`groups`: lists of samples files of the
+    same problems, k = 1, one file a seed): each seed's accuracy, their mean and range, and the
+    gain of the per-problem mean accuracy over the first policy's with a paired bootstrap
+    interval and the sign-flip p-value. Raises InputError for unpaired files."""
+    runs = [[per_problem(path) for path in group] for group in groups]
+    first_run, first_path = runs[0][0], groups[0][0]
+    for group, rs in zip(groups, runs):
+        for path, run in zip(group, rs):
+            check_paired(first_run, run, first_path, path)
+    ids = sorted(first_run)
+    means = [np.mean([[np.mean(run[i][2]) for i in ids] for run in rs], axis=0) for rs in runs]  # (problems,) each
+    print(f"{len(ids)} problems; per-problem accuracy averaged over seeds; gains are over {label(groups[0][0])}\n")
+    print("| policy | seeds | accuracy per seed | mean [range] | gain [95% paired CI] | sign-flip p |")
+    print("|---|---|---|---|---|---|")
+    for group, rs, mean in zip(groups, runs, means):
+        accs = [100 * np.mean([np.mean(run[i][2]) for i in ids]) for run in rs]
+        gain, test = "-", "-"
+        if mean is not means[0]:
+            lo, hi = paired_bootstrap(means[0], mean, draws, seed)
+            gain = f"{100 * (mean - means[0]).mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+            test = f"{sign_flip_p(mean - means[0], draws, seed):.3g}"
+        print(f"| {label(group[0])} | {len(rs)} | {', '.join(f'{a:.1f}' for a in accs)} | "
+              f"{np.mean(accs):.1f} [{min(accs):.1f}, {max(accs):.1f}] | {gain} | {test} |")
+
+
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value: b, c >= 0 problems right under only one policy each;
     under no difference each of the b + c is either with probability 1/2, so
@@ -163,6 +214,8 @@ def main(argv=None) -> None:
     p.add_argument("samples", nargs="+", help="samples.jsonl[.gz] of each policy, the same problems and k; "
                                               "the first is the one the others are compared with")
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
+    p.add_argument("--seeds", action="store_true", help="each positional argument is one policy's seeds, "
+                                                        "comma-separated files: a row per policy (seed_table)")
     p.add_argument("--budgets", type=budget_list, help="model tokens, comma-separated (384,768): the finish rate "
                                                          "at each (one file, sampled at the largest)")
     p.add_argument("--max-gain", type=float, default=3.0,
@@ -191,6 +244,9 @@ def main(argv=None) -> None:
                                 f"finishes fewer than {args.max_gain} points more of the samples")
         print(fits[0])
         return
+    if args.seeds:
+        seed_table([group.split(",") for group in args.samples], args.draws, args.seed)
+        return
     records = [load(path) for path in args.samples]
     runs = [per_problem(path, rs) for path, rs in zip(args.samples, records)]
     for path, run in zip(args.samples[1:], runs[1:]):
@@ -206,7 +262,10 @@ def main(argv=None) -> None:
         scores = np.array([np.mean(run[i][2]) for i in ids])  # (problems,)
         right = np.array([x for i in ids for x in run[i][2]])  # (problems * k,)
         done = np.array([x for i in ids for x in run[i][3]])  # (problems * k,)
-        lo, hi = paired_bootstrap(np.zeros(len(ids)), scores, args.draws, args.seed)
+        if k == 1:
+            lo, hi = wilson(int(scores.sum()), len(ids))
+        else:
+            lo, hi = paired_bootstrap(np.zeros(len(ids)), scores, args.draws, args.seed)
         right_done = (right * done).sum()
         among = f"{pct(right_done / done.sum())} ({right_done:.0f} of {done.sum():.0f})" if done.sum() else "-"
         glo, ghi = paired_bootstrap(first, scores, args.draws, args.seed)

@@ -392,6 +392,20 @@ tables() {  # only from the committed files: anyone can recompute them without a
                 python data/compare.py "$OUT/heldout_$1.samples.jsonl.gz" "$OUT/heldout_$2.samples.jsonl.gz"
             fi
         done
+        local seeds=()
+        for row in grpo sft_grpo; do  # round 2: each policy's seeds averaged problem by problem
+            local files=$OUT/heldout_$row.samples.jsonl.gz
+            for f in "$OUT/heldout_${row}_seed"*.samples.jsonl.gz; do
+                if [ -f "$f" ]; then files="$files,$f"; fi
+            done
+            seeds+=("$files")
+        done
+        if [[ "${seeds[0]}" == *,* ]] && [[ "${seeds[1]}" == *,* ]]; then
+            echo
+            echo "## Held out: sft_grpo against grpo over their seeds"
+            echo
+            python data/compare.py --seeds "${seeds[@]}"
+        fi
         for bench in math500_all gsm8k_all; do
             local pub=()
             for row in $ALL_ROWS; do

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import sympy
 
@@ -289,8 +290,8 @@ def test_compare_table_gain_mcnemar_families_and_gzip(tmp_path, capsys):
         "| policy | accuracy [95% CI] | among finished | finished | tool calls | code-grounded | "
         "gain [95% paired CI] | McNemar p (b, c) |",
         "|---|---|---|---|---|---|---|---|",
-        "| start | 25.0 [0.0, 75.0] | 50.0 (1 of 2) | 50.0 | 0.00 | 0.0 (of 4) | - | - |",
-        "| grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |",
+        "| start | 25.0 [4.6, 69.9] | 50.0 (1 of 2) | 50.0 | 0.00 | 0.0 (of 4) | - | - |",
+        "| grpo | 75.0 [30.1, 95.4] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] | 0.5 (2, 0) |",
         "",
         "constant answer '4': 50.0% of the 4 problems",
         "the question restated (`echo_answer`): 0.0% of the 4 problems", "",
@@ -336,6 +337,28 @@ def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_
     assert capsys.readouterr().err == f"compare.py: error: {bad}:1: missing field(s) benchmark, answer, pred, correct, " \
         "sample_idx, finish_reason, completion, blocks, n_code_blocks, n_exec_errors, completion_tokens, model_tokens, " \
         "plan_tokens\n"
+
+
+def test_wilson_intervals_and_the_seeds_table(tmp_path, capsys):
+    """Wilson's interval by hand: 0 of 100 is [0, z^2 / (100 + z^2)] = [0.0, 3.7]; 1 of 4 is
+    [4.6, 69.9]. Seeds: policy a right on p1 | p1, p2 (per-problem means 1, .5, 0, 0; 25 and 50),
+    b on p1-p3 | p1, p2, p4 (1, 1, .5, .5; 75 and 75): gain +37.5, differences 0, .5, .5, .5;
+    the bootstrap mean of 4 resampled is 0.125 or less in 5.1% and 0.5 in 31.6% of draws, so
+    [+12.5, +50.0]; sign flips of the three .5s reach |sum| 1.5 in 2 of 8 patterns: p = 0.25."""
+    import compare
+
+    assert [round(100 * x, 1) for x in compare.wilson(0, 100)] == [0.0, 3.7]
+    assert [round(100 * x, 1) for x in compare.wilson(1, 4)] == [4.6, 69.9]
+    files = {}
+    for name, right in (("a0", [1, 0, 0, 0]), ("a1", [1, 1, 0, 0]), ("b0", [1, 1, 1, 0]), ("b1", [1, 1, 0, 1])):
+        rows = recipe_rows([bool(r) for r in right], ["stop"] * 4, [100] * 4)
+        files[name] = tmp_path / f"{name}.samples.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    compare.main(["--seeds", f"{files['a0']},{files['a1']}", f"{files['b0']},{files['b1']}"])
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "| a0 | 2 | 25.0, 50.0 | 37.5 [25.0, 50.0] | - | - |",
+        "| b0 | 2 | 75.0, 75.0 | 75.0 [75.0, 75.0] | +37.5 [+12.5, +50.0] | 0.25 |"]
+    assert compare.sign_flip_p(np.array([0.5, 0.5, 0.5, 0.0]), 10, 0, exact_up_to=0) >= 1 / 11   # sampled
 
 
 def test_the_echo_floor_is_zero_under_the_strict_rule_A19():
@@ -414,11 +437,17 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"]) == (runs / "heldout_grpo/samples.jsonl").read_bytes()
     tables = outputs[0]["tables.md"].decode().splitlines()
     assert tables[0] == "# data/recipe.sh at B = 768 model tokens"
-    assert ("| heldout_grpo | 75.0 [25.0, 100.0] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] "
+    assert ("| heldout_grpo | 75.0 [30.1, 95.4] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] "
             "| 0.5 (2, 0) |") in tables
     # columns: start, start_3shot, sft, grpo (2 of 2), then the other seven rows, the start model's samples
     assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 1 of 2 | 1 of 2 | 2 of 2 |" + " 1 of 2 |" * 7 in tables
     assert "## Held out (data/exact_test.jsonl, k = 1); gains over heldout_start" in tables
+    # three files a policy: grpo's per-problem means 1, 1/3, 1/3, 0 (its seed 0 right on p1-p3, the others on p1),
+    # sft_grpo's 1, 0, 0, 0: differences 0, -1/3, -1/3, 0; sign flips reach |sum| 2/3 in 2 of 4 patterns
+    seeds = tables.index("## Held out: sft_grpo against grpo over their seeds")
+    assert tables[seeds + 6:seeds + 8] == [
+        "| heldout_grpo | 3 | 75.0, 25.0, 25.0 | 41.7 [25.0, 75.0] | - | - |",
+        "| heldout_sft_grpo | 3 | 25.0, 25.0, 25.0 | 25.0 [25.0, 25.0] | -16.7 [-33.3, +0.0] | 0.5 |"]
 
 
 @pytest.mark.timeout(60)
