@@ -15,12 +15,11 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 Reading order: after this docstring (the sandbox's coverage below is for later), top down
 as the method runs. First the contract (the prompts, the token roles, `Sample`,
 `split_completion`: what a trajectory is), then `rollout` and its helpers in the order it
-calls them, the KV cache, then sampling, then grading (multiple choice and the Math-Verify helper process
+calls them, then sampling, then grading (multiple choice and the Math-Verify helper process
 can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the rest of the class can
-wait). The KV cache (`_kv_cache`, `_forward_chunk` and their helpers), whose padding and
-mask rules rollout's arithmetic follows, stands right after rollout's helpers. Below the line
-marked "Internals" is what a reader of the method does not need: the sandbox's fork server
-and namespaces, model loading, files, progress bars and the command line.
+wait). Below the line marked "Internals" is what a reader of the method does not need: the
+KV-cache slab, the sandbox's fork server and namespaces, model loading, files, progress bars
+and the command line.
 
     python executor.py block.py          # run a file through the sandbox, print what a model sees
     python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
@@ -661,161 +660,6 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
-
-
-# -----------------------------------------------------------------------------
-# KV cache: the slab and the engine's batched forward
-
-def _kv_cache(model, max_len: int | None = None):
-    """A transformers DynamicCache whose full-attention layers keep their keys and values
-    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
-    many are needed; sliding-window layers keep their own class."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-@functools.cache
-def _slab_layer_class():
-    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
-    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
-    batch_repeat_interleave and batch_select_indices work on those views; a view that no
-    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
-
-    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
-    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
-    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
-    Unlike a static cache the length is not fixed in advance (a rollout's final length is
-    unknown) and attention reads only the filled part. The spare capacity is at most 25%
-    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class SlabLayer(DynamicLayer):
-        def __init__(self, max_len=None):
-            super().__init__()
-            self.max_len, self.k_slab, self.v_slab = max_len, None, None
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
-            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
-            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
-                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
-                                            for t in (key_states, value_states))
-                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
-            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
-            return self.keys, self.values
-
-    return SlabLayer
-
-
-# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
-# block) is cut into forwards of this many columns, so that its transient, which grows with
-# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
-FEED_CHUNK = 256
-
-
-def _forward_chunk(model, cache, past_mask, feeds, pad_id):
-    """Append one ragged chunk per row to the KV cache and return the last logits.
-
-    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
-        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
-        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
-        through `_grouped_sdpa`.
-    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
-    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (G8).
-    """
-    import torch
-    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
-    config = model.config
-    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
-    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
-        cut = slice(max(end - FEED_CHUNK, 0), end)
-        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
-        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
-        # transformers' sdpa copies the KV heads to every query head under a mask when more
-        # than one token is fed (repeat_kv: 4x a layer's cache for Qwen3-4B); the engine's own
-        # attention reads them as they are (tests/faults.md G23)
-        if sdpa and end - cut.start > 1:
-            config._attn_implementation = _grouped_attention()
-        try:
-            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
-                        use_cache=True, logits_to_keep=1)
-        finally:
-            if sdpa:
-                config._attn_implementation = "sdpa"
-    return out.logits[:, -1, :], past_mask
-
-
-@functools.cache
-def _grouped_attention() -> str:
-    """Register `_grouped_sdpa` with transformers (once) under the name it returns; masks as sdpa's."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-    AttentionInterface.register("thinc_grouped_sdpa", _grouped_sdpa)
-    AttentionMaskInterface.register("thinc_grouped_sdpa", sdpa_mask)
-    return "thinc_grouped_sdpa"
-
-
-def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' sdpa attention, for a multi-token feed, reading the grouped KV heads as
-    the cache holds them: one SDPA call per KV head over its G = H / H_kv query heads, the
-    head expanded as a view (stride 0), never copied. The peak is then one (B, 1, L, S)
-    float mask (SDPA's conversion of the bool mask) beside the (B, L, H, D) output, not
-    repeat_kv's 2 x (B, H, S, D) copy.
-
-    query: (B, H, L, D); key, value: (B, H_kv, S, D); attention_mask: (B, 1, L, S) bool
-    (True: attend) or None. Returns ((B, L, H, D) output, None), as transformers' functions.
-    """
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    n_kv = key.shape[1]
-    G = query.shape[1] // n_kv
-    if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    B, H, L, D = query.shape
-    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
-    for h in range(n_kv):
-        heads = slice(h * G, (h + 1) * G)
-        k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
-        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
-                                                             dropout_p=dropout, scale=scaling)
-        out[:, :, heads] = o.transpose(1, 2)
-    return out, None
-
-
-def _pad_left(seqs, pad_id, device):
-    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
-    return ids.to(device), mask.to(device)
-
-
-def _compact(cache, mask):
-    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
-    in order) move to the right end of the S' = max row sum positions kept, in place (the
-    slab stays; attention does not depend on where a key sits, its rotary position is in it).
-    mask: (B, S) 0/1. Returns the (B, S') mask."""
-    keep = int(mask.sum(dim=1).max())
-    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
-    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
-        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
-            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
-        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-    return mask.gather(1, idx)
 
 
 # -----------------------------------------------------------------------------
@@ -1588,6 +1432,161 @@ class Sandbox(contextlib.AbstractContextManager):
 
 # =============================================================================
 # Internals: below this line, what a reader of the method does not need
+
+# -----------------------------------------------------------------------------
+# KV cache: the slab and the engine's batched forward
+
+def _kv_cache(model, max_len: int | None = None):
+    """A transformers DynamicCache whose full-attention layers keep their keys and values
+    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
+    many are needed; sliding-window layers keep their own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _slab_layer_class():
+    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
+    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
+    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
+    batch_repeat_interleave and batch_select_indices work on those views; a view that no
+    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
+
+    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
+    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
+    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
+    Unlike a static cache the length is not fixed in advance (a rollout's final length is
+    unknown) and attention reads only the filled part. The spare capacity is at most 25%
+    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        def __init__(self, max_len=None):
+            super().__init__()
+            self.max_len, self.k_slab, self.v_slab = max_len, None, None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
+            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
+            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
+                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
+                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
+                                            for t in (key_states, value_states))
+                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
+            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
+            return self.keys, self.values
+
+    return SlabLayer
+
+
+# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
+# block) is cut into forwards of this many columns, so that its transient, which grows with
+# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
+FEED_CHUNK = 256
+
+
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
+    """Append one ragged chunk per row to the KV cache and return the last logits.
+
+    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
+        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
+        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
+        through `_grouped_sdpa`.
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
+    """
+    import torch
+    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+    config = model.config
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
+        cut = slice(max(end - FEED_CHUNK, 0), end)
+        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
+        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
+        # transformers' sdpa copies the KV heads to every query head under a mask when more
+        # than one token is fed (repeat_kv: 4x a layer's cache for Qwen3-4B); the engine's own
+        # attention reads them as they are (tests/faults.md G23)
+        if sdpa and end - cut.start > 1:
+            config._attn_implementation = _grouped_attention()
+        try:
+            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+        finally:
+            if sdpa:
+                config._attn_implementation = "sdpa"
+    return out.logits[:, -1, :], past_mask
+
+
+@functools.cache
+def _grouped_attention() -> str:
+    """Register `_grouped_sdpa` with transformers (once) under the name it returns; masks as sdpa's."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register("thinc_grouped_sdpa", _grouped_sdpa)
+    AttentionMaskInterface.register("thinc_grouped_sdpa", sdpa_mask)
+    return "thinc_grouped_sdpa"
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, for a multi-token feed, reading the grouped KV heads as
+    the cache holds them: one SDPA call per KV head over its G = H / H_kv query heads, the
+    head expanded as a view (stride 0), never copied. The peak is then one (B, 1, L, S)
+    float mask (SDPA's conversion of the bool mask) beside the (B, L, H, D) output, not
+    repeat_kv's 2 x (B, H, S, D) copy.
+
+    query: (B, H, L, D); key, value: (B, H_kv, S, D); attention_mask: (B, 1, L, S) bool
+    (True: attend) or None. Returns ((B, L, H, D) output, None), as transformers' functions.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    n_kv = key.shape[1]
+    G = query.shape[1] // n_kv
+    if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    B, H, L, D = query.shape
+    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
+    for h in range(n_kv):
+        heads = slice(h * G, (h + 1) * G)
+        k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
+        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
+                                                             dropout_p=dropout, scale=scaling)
+        out[:, :, heads] = o.transpose(1, 2)
+    return out, None
+
+
+def _pad_left(seqs, pad_id, device):
+    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
+    return ids.to(device), mask.to(device)
+
+
+def _compact(cache, mask):
+    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
+    in order) move to the right end of the S' = max row sum positions kept, in place (the
+    slab stays; attention does not depend on where a key sits, its rotary position is in it).
+    mask: (B, S) 0/1. Returns the (B, S') mask."""
+    keep = int(mask.sum(dim=1).max())
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
+            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+    return mask.gather(1, idx)
+
 
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
