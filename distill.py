@@ -42,7 +42,7 @@ from datetime import timedelta
 from statistics import fmean
 
 import executor as ex
-from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed
+from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, weights_gib
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -225,7 +225,7 @@ def main(argv=None):
     if left:
         model, tokenizer = ex.load_model(args.teacher, dtype=args.dtype, device=device)
         max_rows, plan = memory_plan(model.config, model.dtype.itemsize, args.batch_size * k, args.max_context,
-                                 args.kv_cache_gb, model.num_parameters() * model.dtype.itemsize / 2 ** 30, device)
+                                     args.kv_cache_gb, weights_gib(model), device)
         print0(plan)  # rows at once: a batch's, or fewer so that their KV cache fits (tests/faults.md D12)
         # prompts are measured before any forward: one with no room for a token under
         # --max-context is skipped and counted, never prefilled

@@ -679,7 +679,7 @@ def run(args) -> None:
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
 
-    from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed
+    from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, weights_gib
 
     # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
     # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
@@ -693,9 +693,8 @@ def run(args) -> None:
         if todo:
             model, tok = ex.load_model(args.model, dtype=args.dtype, device=device)
             # rows admitted so that the KV cache they can reach fits (tests/faults.md D12)
-            weights = model.num_parameters() * model.dtype.itemsize / 2 ** 30  # GiB
             args.max_num_seqs, plan = memory_plan(model.config, model.dtype.itemsize, args.max_num_seqs,
-                                                  args.max_context, args.kv_cache_gb, weights, device)
+                                                  args.max_context, args.kv_cache_gb, weights_gib(model), device)
             print0(plan)
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently

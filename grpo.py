@@ -261,18 +261,23 @@ def compute_advantages(samples, rewards: torch.Tensor, group_size: int) -> torch
     Returns:
         (N,) one advantage per sample, or (N, T) one per token, T >= the longest len(ids),
         column t belonging to samples[i].ids[t] (only model tokens enter the loss; finite
-        everywhere). A group whose advantages are all exactly 0 has no signal and is
-        dropped from the step. The paper's: `group_advantages(rewards, group_size)`.
+        everywhere). A group whose rewards are all equal has no signal and is dropped from
+        the step (`has_signal`). The paper's: `group_advantages(rewards, group_size)`.
     """
     return group_advantages(rewards, group_size)
 
 
 # -----------------------------------------------------------------------------
 # Loss
-def has_signal(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N/G,) bool: the group's advantages ((N,) or (N, T), groups contiguous) are not all
-    exactly 0. A group without signal is dropped from the step and counted in zero_var_share."""
-    return advantages.reshape(len(advantages) // group_size, -1).ne(0).any(dim=1)
+def has_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N/G,) bool: the group's rewards ((N,), groups contiguous) are not all equal. A group
+    without signal is dropped from the step and counted in zero_var_share. Rewards, not
+    advantages: `r - group mean` is not exactly 0 on a constant group (three rewards of 0.1
+    give -1.39e-17), and such a group would dilute the token mean (tests/faults.md L35). An
+    advantage that is not a function of the group's rewards (a batch-mean baseline) replaces
+    this too: `torch.ones(len(rewards) // group_size, dtype=torch.bool)`."""
+    r = rewards.reshape(-1, group_size)  # (N/G, G)
+    return r.max(dim=1).values != r.min(dim=1).values
 
 
 def in_loss(samples, advantages: torch.Tensor) -> torch.Tensor:
@@ -423,6 +428,11 @@ def update_policy(model, optimizer, samples, advantages, proc: Dist, *, micro_ba
         progress: None, or the title of a bar of the micro-batches run (`executor.progress_bar`).
         reference: None (the paper's: no KL term), or a frozen policy on proc.device whose
             logprobs each micro-batch then carries as ref_logprobs (B, T) into `policy_loss`.
+            The reference is the start model: in `main`, after `setup_run`,
+            `executor.load_model(args.model, ...)`, which under --resume is still the run's
+            --model (`sft.check_run_dirs` takes it from the checkpoint's args.json,
+            tests/faults.md B46), never `args.resume or args.model` as the policy is loaded:
+            that is the checkpoint, a reference that would move with every resume.
     Returns:
         dict: sums, this rank's: loss_tokens (the `tokens` count every loss returns), every
         other metric `policy_loss` returns (a mean over its loss tokens) times those tokens,
@@ -521,11 +531,11 @@ def grpo_step(model, policy, tokenizer, optimizer, sandbox, problems, args, proc
     samples, t_exec = collect_rollouts(policy, tokenizer, problems, sandbox, seed=seed, progress=rollout_bar,
                                        rollout_fn=rollout_fn, **{k: getattr(args, k) for k in COLLECT_ARGS})
     rollout_bar.close()
-    # 2) rewards -> advantages; a group whose advantages are all 0 carries no signal and is dropped
+    # 2) rewards -> advantages; a group whose rewards are all equal carries no signal and is dropped
     rewards = batch_rewards(reward_fn or answer_reward, samples, [problems[i // G] for i in range(len(samples))],
                             step, args)
     advantages = compute_advantages(samples, rewards, G)  # (N,) or (N, T)
-    signal = has_signal(advantages, G)  # (N/G,)
+    signal = has_signal(rewards, G)  # (N/G,)
     kept = signal.repeat_interleave(G) & in_loss(samples, advantages)  # (N,)
     # 3) the update, on the kept samples only
     t1 = time.perf_counter()

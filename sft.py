@@ -106,6 +106,12 @@ def state_gib(n_params: int, world: int = 1, fsdp: bool = False, shard: bool = F
     return n_params * (8 / (world if fsdp else 1) + 8 / (world if fsdp or shard else 1) + rollout_bytes) / 2 ** 30
 
 
+def weights_gib(model) -> float:
+    """GiB of `model`'s weights in their own dtype: the `state` of `memory_plan` for a stage
+    that only samples (distill, evaluate)."""
+    return model.num_parameters() * model.dtype.itemsize / 2 ** 30
+
+
 def feed_transient_bytes(config, dtype_bytes: int, width: int, chunk: int) -> int:
     """Bytes one row adds to the peak of a multi-token engine forward (a prompt, an output
     block) of `chunk` tokens over a KV cache `width` positions wide, one layer at a time:
@@ -135,9 +141,9 @@ def memory_plan(config, dtype_bytes: int, max_num_seqs: int, max_context: int, k
     feed = feed_transient_bytes(config, dtype_bytes, max_context, executor.FEED_CHUNK) / 2 ** 30  # GiB a row
     row = kv + feed
     total = torch.cuda.mem_get_info(device)[1] / 2 ** 30 if device.type == "cuda" else 0.0  # GiB
-    budget = kv_cache_gb or max(0.9 * total - state, 1e-9 * total)  # (a full GPU: a budget no row fits)
+    budget = kv_cache_gb or 0.9 * total - state  # GiB; <= 0 when the state fills the GPU: no row fits
     rows = max_num_seqs
-    if budget:
+    if kv_cache_gb or total:
         if budget < row:
             raise executor.InputError(f"--kv-cache-gb: one row of {max_context} tokens needs {row:.2f} GiB of KV "
                                       f"cache and forward transient, over the budget of {budget:.2f} GiB: lower "
@@ -145,7 +151,7 @@ def memory_plan(config, dtype_bytes: int, max_num_seqs: int, max_context: int, k
         rows = min(max_num_seqs or 1 << 30, int(budget // row))
     cache = f"{rows * kv:.1f} GiB + forward transient {rows * feed:.2f} GiB" if rows else "no cap"
     return rows, (f"memory plan a rank: KV cache {bpt:,} bytes a token x {rows or 'all'} rows x {max_context:,} tokens"
-                  f" = {cache} at most (budget {f'{budget:.1f} GiB' if budget else 'none'}); "
+                  f" = {cache} at most (budget {f'{budget:.1f} GiB' if kv_cache_gb or total else 'none'}); "
                   f"model + optimizer state {state:.1f} GiB")
 
 

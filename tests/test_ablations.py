@@ -7,11 +7,11 @@ advantage, the loss, its normaliser, the samples in it or the bounds).
 | ablation | the one place | test |
 |---|---|---|
 | another reward | `--reward FILE.py:FUNCTION` | test_another_reward_from_a_file_L10_L11 |
-| token-level advantages | `grpo.compute_advantages` returning (N, T) | test_token_level_advantages |
-| a batch-mean baseline | `grpo.compute_advantages` | test_batch_mean_baseline_keeps_constant_groups_L12 |
+| token-level advantages | `grpo.compute_advantages` returning (N, T), `grpo.has_signal` | test_token_level_advantages |
+| a batch-mean baseline | `grpo.compute_advantages`, `grpo.has_signal` | test_batch_mean_baseline_keeps_constant_groups_L12 |
 | an added entropy term | `grpo.policy_loss` | test_entropy_bonus_in_the_loss_is_trained_and_logged_L13 |
 | Dr. GRPO | `grpo.compute_advantages`, `grpo.loss_normalizer` | test_dr_grpo_L28 |
-| KL to a reference policy | `grpo.policy_loss` (`batch["ref_logprobs"]`) | test_kl_to_a_reference_policy_L29 |
+| KL to a reference policy | `grpo.policy_loss` (`batch["ref_logprobs"]`, reference from `args.model`) | test_kl_to_a_reference_policy_L29 |
 | TIS | `--tis-cap` | test_tis_weights_each_token_L20 |
 | DAPO overlong masking | `grpo.in_loss` | test_overlong_masking_keeps_zero_var_share_L21 |
 | DAPO soft length penalty | `--reward` with `args` | test_soft_length_penalty_reads_the_run_flags_L23 |
@@ -156,7 +156,8 @@ def test_another_reward_from_a_file_L10_L11(tiny_dir, tmp_path, capsys):
 @pytest.mark.timeout(60)
 def test_token_level_advantages(tokenizer, monkeypatch):
     """A (N, T) advantage of +1 / -1 on the first model token of each sample only (rewards
-    constant, so the paper's advantage would train on nothing): every sample is kept and
+    constant, so the paper's advantage would train on nothing; `has_signal` replaced to keep
+    every group, as the advantage is not a function of the group's rewards): every sample is kept and
     the gradient is -(1/N) sum_i A_i dlogp of that token."""
     samples = fixed_samples(tokenizer)
 
@@ -167,6 +168,8 @@ def test_token_level_advantages(tokenizer, monkeypatch):
         return adv
 
     monkeypatch.setattr(grpo, "compute_advantages", first_token)
+    monkeypatch.setattr(grpo, "has_signal", lambda rewards, group_size: torch.ones(len(rewards) // group_size,
+                                                                                     dtype=torch.bool))
     lm = tiny.make_model(tokenizer)
     m, grad = replay_step(lm, tokenizer, samples, per_sample([0.0] * 4))
     assert m["loss_tokens"] == N_TOKENS and m["zero_var_share"] == 0.0
@@ -182,17 +185,39 @@ def test_token_level_advantages(tokenizer, monkeypatch):
 @pytest.mark.timeout(60)
 def test_batch_mean_baseline_keeps_constant_groups_L12(tokenizer, monkeypatch):
     """Rewards [1, 1] and [0, 0]: the paper's group advantage drops both groups (nothing to
-    train); A = r - mean over the batch gives +0.5, +0.5, -0.5, -0.5, keeps every group and
-    trains with exactly that gradient."""
+    train); A = r - mean over the batch gives +0.5, +0.5, -0.5, -0.5 and, with `has_signal`
+    replaced too (a constant group has signal under this baseline), trains every group with
+    exactly that gradient."""
     samples, reward = fixed_samples(tokenizer), per_sample([1.0, 1.0, 0.0, 0.0])
     m, _ = replay_step(tiny.make_model(tokenizer), tokenizer, samples, reward)
     assert m["loss_tokens"] == 0 and m["zero_var_share"] == 1.0
     monkeypatch.setattr(grpo, "compute_advantages", lambda samples, rewards, group_size: rewards - rewards.mean())
+    monkeypatch.setattr(grpo, "has_signal", lambda rewards, group_size: torch.ones(len(rewards) // group_size,
+                                                                                     dtype=torch.bool))
     lm = tiny.make_model(tokenizer)
     m, grad = replay_step(lm, tokenizer, samples, reward)
     assert m["loss_tokens"] == N_TOKENS and m["zero_var_share"] == 0.0 and m["reward_mean"] == 0.5
     ref = reference_grad(lm, samples, [torch.full((len(s.ids),), a) for s, a in zip(samples, [.5, .5, -.5, -.5])])
     assert torch.allclose(grad, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(60)
+def test_dr_grpo_drops_a_constant_group_L35(tokenizer, monkeypatch):
+    """Dr. GRPO's `r - group mean` on a group of three rewards 0.1 is -1.39e-17, not 0: a
+    signal test on the advantages kept that group (its 11 tokens diluted the token mean).
+    `has_signal` tests the rewards: the group is dropped, zero_var_share 0.5, and the loss
+    is the other group's alone, over its 9 tokens."""
+    monkeypatch.setattr(grpo, "compute_advantages", lambda samples, rewards, group_size: (
+        rewards.reshape(-1, group_size) - rewards.reshape(-1, group_size).mean(dim=1, keepdim=True)).reshape(-1))
+    rewards = [0.1, 0.1, 0.1, 1.0, 0.0, 0.0]
+    assert grpo.compute_advantages(None, torch.tensor(rewards, dtype=torch.float64), 3)[:3].ne(0).any()
+    samples = [fake_sample(3, n, i, len(tokenizer)) for i, n in enumerate([4, 5, 2, 3, 2, 4])]
+    args = make_args(prompts_per_step=2, group_size=3, micro_batch=8, grad_clip=0.0)
+    lm = tiny.make_model(tokenizer)
+    replay = lambda *a, **k: [copy.deepcopy(s) for s in samples]  # noqa: E731
+    m, _, _ = grpo.grpo_step(lm.train(), lm, tokenizer, GradCatcher(lm.parameters()), None, same_prompt_problems(2),
+                             args, grpo.Dist(), 1, reward_fn=per_sample(rewards), rollout_fn=replay)
+    assert (m["zero_var_share"], m["loss_tokens"]) == (0.5, 9)
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Count the code lines of one GRPO step as a reader walks it (tests/benchmarks/walk.list).
 
-    python tests/benchmarks/walk.py [--list]
+    python tests/benchmarks/walk.py [--list] [--check]
 
 A definition's code lines are its lines (decorators included) less docstring lines (of it and
 of every def / class inside it), comment-only lines and blank lines. Three totals:
@@ -8,11 +8,16 @@ of every def / class inside it), comment-only lines and blank lines. Three total
   to Sandbox.run    the sandbox (marked S in the list) read as its interface, not entered;
   to the line       also not entered: what lies below executor.py's "# Internals" line (the
                     KV-cache slab, file and progress helpers), read by name and docstring.
---list prints each definition with its counts first.
+--list prints each definition with its counts first. The README quotes two of the totals, read
+from two phrases (the marker: keep them when the README is rewritten):
+  "one step is N definitions and M code lines"          to the line
+  "the internals too, N and M"                           full
+Every run prints where they differ from the counts; --check then exits 1 (tests/test_walk.py).
 """
 import ast
 import io
 import os
+import re
 import sys
 import tokenize
 
@@ -74,6 +79,26 @@ def walk() -> list:
     return rows
 
 
+# the README's phrases that quote the walk: total -> pattern (definitions, code lines)
+README_FIGURES = {"to the line": r"one step is (\d+) definitions and ([\d,]+) code lines",
+                  "full": r"the internals too, (\d+) and ([\d,]+)"}
+
+
+def readme_mismatches(totals: dict) -> list:
+    """Lines naming each README figure that differs from `totals` (title -> (definitions, code
+    lines)) or that the README lacks."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())  # (a phrase may be wrapped over lines)
+    out = []
+    for title, pattern in README_FIGURES.items():
+        found = re.findall(pattern, text)
+        quoted = [(int(n), int(m.replace(",", ""))) for n, m in found]
+        if quoted != [totals[title]]:
+            out.append(f"README.md quotes the walk {title} as {quoted or 'nothing'} "
+                       f"(phrase {pattern!r}); walk.py counts {totals[title][0]} definitions, {totals[title][1]:,} lines")
+    return out
+
+
 WAYS = {"full": lambda r: True, "to Sandbox.run": lambda r: not r[4], "to the line": lambda r: not r[4] and not r[5]}
 
 
@@ -83,11 +108,17 @@ def main():
         for name, line, qualname, code, sandbox, below in rows:
             where = " (sandbox)" if sandbox else " (below the line)" if below else ""
             print(f"{name}:{line} {qualname} {code}{where}")
+    totals = {}
     for title, keep in WAYS.items():
         kept = [r for r in rows if keep(r)]
         changes = sum(a[0] != b[0] for a, b in zip(kept, kept[1:]))
-        print(f"{title:15s} {len(kept):3d} definitions {sum(r[3] for r in kept):5,d} code lines "
-              f"({changes} changes of file)")
+        totals[title] = (len(kept), sum(r[3] for r in kept))
+        print(f"{title:15s} {len(kept):3d} definitions {totals[title][1]:5,d} code lines ({changes} changes of file)")
+    stale = readme_mismatches(totals)
+    for line in stale:
+        print(line)
+    if stale and "--check" in sys.argv:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
