@@ -370,6 +370,9 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
                 want = getattr(t, "__name__", "str or null")
                 raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
+        choices = row.get("choices", [])   # (a multiple-choice row's options: letters are graded by them)
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ex.InputError(f"{path}:{lineno}: field 'choices' must be a list of option texts, got {choices!r}")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if seen.setdefault(key, lineno) != lineno:   # the line of the key's first row
             raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
@@ -521,19 +524,28 @@ def check_resume(args, out_dir: str, done: dict, benches: dict) -> None:
 
 def regrade(path: str) -> list:
     """Grade every row of a samples file again with today's `executor.correct` (a grader
-    fixed after the run: tests/faults.md A19) and rewrite the file atomically when a verdict
-    changed, printing each change. Returns the (benchmark, id, sample_idx) keys changed."""
+    fixed after the run: tests/faults.md A19; a GSM8K gold kept whole by an older reader is
+    read after its `####`) and rewrite the file atomically when a verdict changed, printing
+    each change; a symlink's target is rewritten, its mode kept. Returns the (benchmark, id,
+    sample_idx) keys changed. Raises InputError, before any change, for a file it may not write."""
     rows = load_samples(path)
     changed = []
     for row in rows:
-        verdict = ex.correct(row["pred"], row)
+        verdict = ex.correct(row["pred"], dict(row, answer=ex.final_answer(row["answer"])))
         if verdict != row["correct"]:
             changed.append((row["benchmark"], row["id"], row["sample_idx"]))
             print(f"regraded {changed[-1]}: pred {row['pred']!r}, gold {row['answer']!r}: "
                   f"{row['correct']} -> {verdict}", flush=True)
             row["correct"] = verdict
+    target = os.path.realpath(path)
+    mode = os.stat(target).st_mode & 0o7777
+    # (root may write a 0444 file; it is not meant to be written)
+    if changed and not (mode & 0o222 and os.access(target, os.W_OK)):
+        raise ex.InputError(f"{path}: read-only, so its {len(changed)} changed verdicts cannot be written: "
+                            "regrade a copy")
     if changed:
-        ex.write_json_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        ex.write_json_atomic(target, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        os.chmod(target, mode)
     print(f"{path}: {len(changed)} of {len(rows)} verdicts changed by regrading", flush=True)
     return changed
 

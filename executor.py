@@ -847,20 +847,21 @@ def _braced(text: str, j: int):
 # Integer rule
 # ---------------------------------------------------------------------------------------
 
-_LIST_OR_SPLIT = re.compile(r",\s|\d\s+\d")
-_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|displaystyle)(?![a-zA-Z])"
-                    r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
+_LIST_OR_SPLIT = re.compile(r"(?<!\\),\s|\d\s+\d")   # (`\, ` is a thin space, not a list's comma)
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])"
+                    r"|\\[()\[\]{}]|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
 _ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
 _CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
-_UNIT_WORD = re.compile(r"(?<=[\d}])\s*[a-zA-Z]{2,}[a-zA-Z .]*(?:\^\{?[23]\}?)?$")
-_WRAPPED = re.compile(r"^[{(]([^,(){}]*)[})]$")   # (70), {70}; not (1,000), a pair
+# a unit: a word after a number, or one letter after a blank (`70 m`; `70x` is not read: tests/faults.md A22)
+_UNIT_WORD = re.compile(r"(?<=[\d}])(?:\s*[a-zA-Z]{2,}[a-zA-Z .]*|\s+[a-zA-Z])(?:\^\{?[23]\}?)?$")
+_WRAPPED = re.compile(r"^[{(\[]([^,(){}\[\]]*)[})\]]$")   # (70), {70}, [70]; not (1,000), a pair
 _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
 _DECIMAL = r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"   # 1,000 70.0 -.5: one number
 _LITERAL = re.compile(_DECIMAL)
 _NUMBER = re.compile(_DECIMAL + r"|[+-]?\d+/0*[1-9]\d*")
 _POWER = re.compile(r"(-?)(\d+)\^(?:\{(\d+)\}|(\d))")   # -2^{2} is -(2^2)
-_NAMED_EQUATION = re.compile(r"([^=<>!]*[a-zA-Z][^=<>!]*)=([^=]+)")
+_EQUATION = re.compile(r"([^=<>!]+)=([^=<>!]+)")
 # words that change the value are part of it, never a unit (tests/faults.md A11): rewritten
 # as factors before either rule reads an answer, bare or in \text{} (`5\text{ million}`)
 _VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\cdot10^{3}", "million": r"\cdot10^{6}",
@@ -895,7 +896,7 @@ def number_value(answer: str, literal: bool = False):
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
     s = _NOISE.sub("", s)
-    s = _TEXT.sub(r"\1", s)
+    s = _TEXT.sub(r" \1", s)   # (`70\,\mathrm{m}`: the unit stays a word apart)
     s = _ORDINAL.sub("", s)
     s = _UNIT_WORD.sub("", s)
     s = re.sub(r"\s+", "", s).replace("{,}", ",").rstrip(".,")
@@ -944,9 +945,9 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:
-        if "=" in pred:
-            m = _NAMED_EQUATION.fullmatch(pred)
-            return m is not None and grade(m[2], gold, timeout)
+        if "=" in pred:   # one equation whose left side is no number states its right side (tests/faults.md A22)
+            m = _EQUATION.fullmatch(pred)
+            return m is not None and number_value(m[1]) is None and grade(m[2], gold, timeout)
         # one number equal to the gold, never an expression that evaluates to it: the product
         # problem's own `60426 \times 4795` restates the question (tests/faults.md A19)
         return number_value(pred, literal=True) == g
@@ -2622,10 +2623,8 @@ def read_problems(path: str) -> list:
                 value = extract_answer(value, prose_only=False)
                 if value is None:
                     raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
-            elif field == "answer" and "####" in value:   # GSM8K as published: worked solution, `#### 72` (A21)
-                value = value.rsplit("####", 1)[1].strip()
-                if not value:
-                    raise InputError(f"{where}: field '{key}' has no answer after '####'")
+            elif field == "answer" and not (value := final_answer(value)):
+                raise InputError(f"{where}: field '{key}' has no answer after '####'")
             row[field] = value
         for key, value in row.items():  # extra fields go on to samples.jsonl, where a bare NaN is no JSON
             try:
@@ -2641,6 +2640,12 @@ def read_problems(path: str) -> list:
     if not out:
         raise InputError(f"{path}: no problems in the file")
     return out
+
+
+def final_answer(answer: str) -> str:
+    """GSM8K's answer field as published (the worked solution, then `#### 72`) read as its
+    final answer, `72`; any other answer as it is (tests/faults.md A21)."""
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
 
 
 def append_jsonl(path: str, rows) -> None:

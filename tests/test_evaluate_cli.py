@@ -97,6 +97,46 @@ def test_from_samples_regrades_with_todays_grader_A19(single, tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_regrading_writes_no_file_it_should_not_B49(single, tmp_path, capsys):
+    """tests/faults.md B49: a read-only samples.jsonl is refused before any change; a symlinked
+    one has its target rewritten (the link stays a link) with the target's mode kept; a GSM8K
+    gold kept whole by an older reader is graded by its `####` answer; `choices` that is not a
+    list of texts is one line (before: a 0444 file replaced as 0644, the link replaced by a
+    file, `48+24` right against a worked solution, a TypeError traceback)."""
+    _, out, _, _ = single
+    rows = ev.load_samples(str(out / "samples.jsonl"))
+    rows[0].update(pred="1 + 1", correct=True)    # b1 p1, gold 2: regraded wrong
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "samples.jsonl").write_text(text)
+    (ro / "samples.jsonl").chmod(0o444)
+    assert ex.cli(ev.main, ["--from-samples", str(ro)]) == 2
+    assert "samples.jsonl: read-only, so its 1 changed verdicts cannot be written: regrade a copy" in \
+        capsys.readouterr().err
+    assert (ro / "samples.jsonl").read_text() == text
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "target.jsonl").write_text(text)
+    (tmp_path / "target.jsonl").chmod(0o640)
+    (linked / "samples.jsonl").symlink_to(tmp_path / "target.jsonl")
+    assert ex.cli(ev.main, ["--from-samples", str(linked)]) == 0
+    assert (linked / "samples.jsonl").is_symlink() and (tmp_path / "target.jsonl").stat().st_mode & 0o777 == 0o640
+    assert ev.load_samples(str(tmp_path / "target.jsonl"))[0]["correct"] is False
+    gsm = tmp_path / "gsm"
+    gsm.mkdir()
+    rows[0].update(answer="48/2 = 24 clips in May, 48+24 = 72 in all.\n#### 72", pred="48+24", correct=True)
+    rows[1].update(answer=rows[0]["answer"], pred="72", correct=False)
+    rows[2].update(choices=5)
+    (gsm / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    assert ex.cli(ev.main, ["--from-samples", str(gsm)]) == 0
+    assert [r["correct"] for r in ev.load_samples(str(gsm / "samples.jsonl"))] == [False, True]
+    (gsm / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ex.cli(ev.main, ["--from-samples", str(gsm)]) == 2
+    assert "samples.jsonl:3: field 'choices' must be a list of option texts, got 5" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
 def test_exemplars_are_prior_turns_of_every_prompt(single, tmp_path):
     """--exemplars puts its turns before each problem (the prompting baseline): a 300-word
     exemplar leaves no room under --max-context 600, and a resume with other exemplars is refused."""
@@ -239,7 +279,7 @@ def test_input_and_resume_errors_exit_2_before_any_model(single, tmp_path, capsy
     shutil.copytree(out, copy)
     run = ["--model", single[2], "--data", *data, *SAMPLING, "--out", str(copy)]
     assert "--temperature 1.0, this run has 0.5" in error(*run, "--temperature", "0.5")
-    assert "--limit 0, this run has 1" in error(*run, "--limit", "1")
+    assert "sample ('b1', 'p2', 0) was not made from this run's problems" in error(*run, "--limit", "1")
     with open(copy / "samples.jsonl", "a") as f:
         f.write("{bad\n")
     assert f"{copy / 'samples.jsonl'}:7: not valid JSON" in error(*run)

@@ -522,3 +522,21 @@ def test_options_equal_to_the_grader_are_refused_A21(tmp_path):
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(executor.InputError, match=f"^{path}:1: options 'Paris' and 'paris.' are the same answer"):
         executor.read_problems(str(path))
+
+
+# --- A22: the strict rule reads every fair spelling of one number ----------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,right", [
+    ("70 m", True), (r"70 \text{ m}", True), (r"70 \text{ s}", True), (r"70\,\mathrm{m}", True), (r"70 \text{ m}^2", True),
+    (r"70\quad", True), (r"70 \qquad", True), (r"{\bf 70}", True), (r"\textstyle 70", True), (r"70 \, \mathrm{cm}", True),
+    (r"70^{\circ}\text{C}", True), (r"\phantom{0}70", True), ("[70]", True), (r"\{70\}", True), (r"\(70\)", True),
+    ("2*35=70", True), (r"2 \times 35 = 70", True), ("70 = 70", False), ("70 = 2 * 35", False), ("70x", False),
+    ("[70, 71]", False), (r"\{70, 71\}", False),
+])
+def test_every_fair_spelling_of_one_number_is_read_A22(pred, right):
+    """Against gold 70 (the probe that found them: these were Math-Verify's before the strict
+    rule, and the strict rule first refused them): a one-letter unit after a blank, TeX
+    spacing and style, brackets and math delimiters; an equation states its right side when
+    its left is no number, whatever operator the left side uses."""
+    assert grade(pred, "70", timeout=SLOW_OK) is right

@@ -1898,9 +1898,11 @@ def test_a_caller_that_is_not_root_gets_contained_blocks_S43(tmp_path):
     os.chmod(tmp_path.parent, 0o755)
     blocks = ["import os, socket\nstatus = open('/proc/self/status').read()\n"
               "print(os.getpid(), status.split('CapEff:')[1].split()[0], [n for i, n in socket.if_nameindex()])",
-              f"import os\nprint([os.path.exists(p) for p in ({str(secret)!r}, {ROOT!r})])", "while True: pass"]
+              # the project's files, not its folder: a venv inside the project (CI's .venv) is bound there alone
+              f"import os\nprint([os.path.exists(p) for p in ({str(secret)!r}, {ROOT + '/data'!r}, "
+              f"{ROOT + '/executor.py'!r})])", "while True: pass"]
     answer, err = _caller(blocks, _as_user(), timeout=2)
-    assert answer == {"contained": True, "results": [["ok", "2 0000000000000000 ['lo']\n"], ["ok", "[False, False]\n"],
+    assert answer == {"contained": True, "results": [["ok", "2 0000000000000000 ['lo']\n"], ["ok", "[False, False, False]\n"],
                                                      ["timeout", answer["results"][2][1]]]}, (answer, err)
     assert 'File "<code>", line 1' in answer["results"][2][1]
 
