@@ -99,6 +99,24 @@ for var in LR MAX_GAIN POLL; do
         exit 2
     fi
 done
+# the ranges the stages check too, here before any part runs: G = 1 has no group, an lr over 1 diverges
+if [ "$G" -lt 2 ] || ! python3 -c "import sys; sys.exit(not 0 < float(sys.argv[1]) <= 1)" "$LR"; then
+    echo "G must be at least 2 and LR in (0, 1], got G=$G LR=$LR" >&2
+    exit 2
+fi
+for f in "$MATH500" "$GSM8K"; do  # read by the last parts: a typo would end the run hours in
+    if [ ! -f "$f" ]; then
+        echo "no file '$f' (MATH500 / GSM8K): the public parts read it" >&2
+        exit 2
+    fi
+done
+for row in $PUBLIC $ALL_ROWS; do
+    if [[ ! " start sft grpo sft_grpo control grpo_seed1 grpo_seed2 sft_grpo_seed1 sft_grpo_seed2 control_group " \
+          == *" $row "* ]]; then
+        echo "PUBLIC / ALL_ROWS: no row '$row'" >&2
+        exit 2
+    fi
+done
 if [ -n "$PARTS" ] && [ -z "${PARTS//[[:space:]]/}" ]; then  # blanks only: it would run nothing, status 0
     echo "PARTS holds only blanks: name parts, or unset it for every part" >&2
     exit 2

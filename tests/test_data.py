@@ -234,6 +234,15 @@ def recipe_rows(correct: list, finish: list, tokens: list) -> list:
             for (i, q, a), c, f, t in zip(problems, correct, finish, tokens)]
 
 
+@pytest.fixture(autouse=True)
+def public_sets(tmp_path_factory, monkeypatch):
+    """The public sets data/recipe.sh checks for, as files of this test's own (never ../shared)."""
+    d = tmp_path_factory.mktemp("public")
+    for name in ("math500_int.jsonl", "gsm8k_test.jsonl"):
+        (d / name).write_text('{"id": "q", "problem": "1 + 1?", "answer": "2"}\n')
+        monkeypatch.setenv("MATH500" if "math" in name else "GSM8K", str(d / name))
+
+
 # data/recipe.sh's parts (BUDGET given: no part 1), and the evaluations among them
 TRAINED = ["distill", "sft", "grpo", "sft_grpo", "control", "grpo_seed1", "sft_grpo_seed1", "control_group",
            "grpo_seed2", "sft_grpo_seed2"]
@@ -690,6 +699,11 @@ def test_recipe_state_files_and_numbers_are_checked_P7(tmp_path):
                         ({"RANKS": "two"}, "RANKS must be a positive integer, got 'two'\n"),
                         ({"K": "-1"}, "K must be a positive integer, got '-1'\n"),
                         ({"LR": "0"}, "LR must be a positive number, got '0'\n"),
-                        ({"BUDGET": "1e3"}, "BUDGET must be a positive integer, got '1e3'\n")):
+                        ({"BUDGET": "1e3"}, "BUDGET must be a positive integer, got '1e3'\n"),
+                        ({"G": "1"}, "G must be at least 2 and LR in (0, 1], got G=1 LR=1e-5\n"),
+                        ({"LR": "2"}, "G must be at least 2 and LR in (0, 1], got G=4 LR=2\n"),
+                        ({"MATH500": "no/such.jsonl"}, "no file 'no/such.jsonl' (MATH500 / GSM8K): the public parts "
+                                                       "read it\n"),
+                        ({"ALL_ROWS": "start sft_grop"}, "PUBLIC / ALL_ROWS: no row 'sft_grop'\n")):
         run = recipe(**extra)
         assert (run.returncode, run.stderr) == (2, line)
