@@ -945,9 +945,9 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:
-        if "=" in pred:   # one equation whose left side is no number states its right side (tests/faults.md A22)
+        if "=" in pred:   # one equation whose left side is no plain number states its right side (tests/faults.md A22)
             m = _EQUATION.fullmatch(pred)
-            return m is not None and number_value(m[1]) is None and grade(m[2], gold, timeout)
+            return m is not None and number_value(m[1], literal=True) is None and grade(m[2], gold, timeout)
         # one number equal to the gold, never an expression that evaluates to it: the product
         # problem's own `60426 \times 4795` restates the question (tests/faults.md A19)
         return number_value(pred, literal=True) == g
