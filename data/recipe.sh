@@ -424,26 +424,17 @@ tables() {  # only from the committed files: anyone can recompute them without a
             echo
             python data/compare.py --seeds "${seeds[@]}"
         fi
-        for bench in math500_all gsm8k_all; do
+        local set bench rows_of_set what
+        for set in "math500_all:$ALL_ROWS:every problem" "gsm8k_all:$ALL_ROWS:first $PUBLIC_ALL_N problems" \
+                   "math500:$PUBLIC:first $PUBLIC_N problems" "gsm8k:$PUBLIC:first $PUBLIC_N problems"; do
+            IFS=: read -r bench rows_of_set what <<< "$set"
             local pub=()
-            for row in $ALL_ROWS; do
+            for row in $rows_of_set; do
                 if [ -f "$OUT/${bench}_$row.samples.jsonl.gz" ]; then pub+=("$OUT/${bench}_$row.samples.jsonl.gz"); fi
             done
             if [ ${#pub[@]} -gt 0 ]; then
                 echo
-                echo "## $bench (k = 1)"
-                echo
-                python data/compare.py "${pub[@]}"
-            fi
-        done
-        for bench in math500 gsm8k; do
-            local pub=()
-            for row in $PUBLIC; do
-                if [ -f "$OUT/${bench}_$row.samples.jsonl.gz" ]; then pub+=("$OUT/${bench}_$row.samples.jsonl.gz"); fi
-            done
-            if [ ${#pub[@]} -gt 0 ]; then
-                echo
-                echo "## $bench (first $PUBLIC_N problems, k = 1)"
+                echo "## ${bench%_all} ($what, k = 1)"
                 echo
                 python data/compare.py "${pub[@]}"
             fi
