@@ -413,10 +413,9 @@ def merged_samples(out_dir: str) -> dict:
 # Config
 
 
-# the run's identity: everything that decides which samples exist and what they are (not
-# --max-num-seqs in fp32: a sample's seed is its own). A run folder is resumed only with the same.
-# what a sample depends on: a resume must match them (not --limit: a sample's seed is its own, so a
-# larger --limit extends a run, and check_resume refuses samples of problems past a smaller one)
+# the run's identity: everything that decides what a sample is (not --max-num-seqs in fp32, nor
+# --limit: a sample's seed is its own, so a larger --limit extends a run and check_resume refuses
+# the samples of problems past a smaller one). A run folder is resumed only with the same.
 SAMPLING_ARGS = ("model", "dtype", "data", "exemplars", "k", "seed", "exec_timeout", *ex.ROLLOUT_ARGS)
 
 
