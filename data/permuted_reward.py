@@ -38,23 +38,24 @@ def permuted_reward(samples, problems, seed: int = 0) -> list[float]:
     return rewards
 
 
-def group_permuted_reward(samples, problems, seed: int = 0) -> list[float]:
-    """answer_rewards shuffled within each group (the consecutive samples of one problem):
-    every group keeps its reward multiset, so the same groups carry signal and the
-    advantages keep their sizes; only which sample of a group gets which reward is random.
-    The fair control of data/recipe.sh's `control_group` (`permuted_reward` also moves
-    rewards between groups, giving signal to groups that had none). Seeded as
-    `permuted_reward`, per group by its position and problem id (tests/faults.md P8)."""
+def group_permuted_reward(samples, problems, args=None, seed: int = 0) -> list[float]:
+    """answer_rewards shuffled within each group of G consecutive samples (`args.group_size`,
+    grpo.py's `--group-size`, passed by batch_rewards; without `args`, each run of samples of
+    one problem id): every group keeps its reward multiset, so the same groups carry signal and
+    the advantages keep their sizes; only which sample of a group gets which reward is random.
+    The fair control of data/recipe.sh's `control_group` (`permuted_reward` also moves rewards
+    between groups, giving signal to groups that had none). Seeded by `seed`, the call's problem
+    ids and the group's index, as `permuted_reward` (tests/faults.md P8)."""
     rewards = answer_rewards(samples, problems)
-    G = len(samples) // len(problems)
-    ids = [str(problems[i // G]["id"]) for i in range(len(samples))]
-    out, start = [], 0
-    while start < len(rewards):
-        end = start + 1
-        while end < len(rewards) and ids[end] == ids[start]:
-            end += 1
+    per = len(samples) // len(problems)
+    ids = [str(problems[i // per]["id"]) for i in range(len(samples))]
+    if args is not None:
+        bounds = range(0, len(rewards), args.group_size)
+    else:   # runs of one problem id
+        bounds = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    out = []
+    for start, end in zip(bounds, [*bounds[1:], len(rewards)]):
         group = rewards[start:end]
-        random.Random(f"{seed} {start} {ids[start]}").shuffle(group)
+        random.Random(f"{seed} {ids} {start}").shuffle(group)
         out += group
-        start = end
     return out

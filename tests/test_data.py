@@ -1,6 +1,7 @@
 """The problem sets in data/: the demo set and the "Does it learn?" sets, every answer
 recomputed here by code; and the scripts beside them (compare.py, permuted_reward.py,
 recipe.sh), their figures computed by hand."""
+import argparse
 import gzip
 import itertools
 import json
@@ -391,11 +392,15 @@ def test_group_permuted_reward_keeps_each_groups_rewards():
 
     samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in ("4", "5", None, "10", "10", "3")]
     problems = [{"id": "q1", "answer": "4"}] * 3 + [{"id": "q2", "answer": "10"}] * 3
-    orders = [pr.group_permuted_reward(samples, problems, seed) for seed in range(20)]
+    orders = [pr.group_permuted_reward(samples, problems, seed=seed) for seed in range(20)]
     assert all(sum(o[:3]) == 1.0 and sum(o[3:]) == 2.0 and len(o) == 6 for o in orders)
-    assert orders[0] == pr.group_permuted_reward(samples, problems, 0)
+    assert orders[0] == pr.group_permuted_reward(samples, problems, seed=0)
     assert len({tuple(o) for o in orders}) > 1   # the order does change
     assert pr.group_permuted_reward(samples, problems[::3]) in orders   # one problem per group: the same groups
+    # grpo.py passes --group-size: one problem drawn twice in a step is two groups of 3, not one of 6
+    twice = [{"id": "q1", "answer": "4"}] * 6
+    split = [pr.group_permuted_reward(samples, twice, args=argparse.Namespace(group_size=3), seed=s) for s in range(20)]
+    assert all(sum(o[:3]) == 1.0 and sum(o[3:]) == 0.0 for o in split)   # rewards 1, 0, 0 | 0, 0, 0 against 4
 
 
 def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():
