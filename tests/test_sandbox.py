@@ -1838,9 +1838,10 @@ USER = 4242  # an unprivileged uid and gid of this machine (no account needed)
 
 
 def _open_to_others(paths):
-    """In this process's own mount namespace (root): every folder above `paths` that others may
-    not enter (a 0700 home holding the interpreter) is covered by a tmpfs showing only the
-    branches down to them, so that an unprivileged uid reaches the interpreter and the project."""
+    """In this process's own mount namespace (root): every folder above `paths` (folders or files)
+    that others may not enter (a 0700 home holding the interpreter, a 0700 clone) is covered by a
+    tmpfs showing only the branches down to them, so that an unprivileged uid reaches the
+    interpreter and the files it runs."""
     paths = [os.path.realpath(p) for p in paths]
     for path in paths:
         parts = path.split("/")
@@ -1852,7 +1853,10 @@ def _open_to_others(paths):
             held = {b: os.open(b, os.O_PATH) for b in branches}  # (before the tmpfs hides them)
             ex._mount(b"tmpfs", top.encode(), b"tmpfs", 0, b"mode=755")
             for branch, fd in held.items():
-                os.mkdir(branch)
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    os.mkdir(branch)
+                else:
+                    open(branch, "x").close()  # a file is bound over a file
                 ex._mount(f"/proc/self/fd/{fd}".encode(), branch.encode(), None, ex._BIND | 1 << 14)
                 os.close(fd)
 
@@ -1864,7 +1868,7 @@ def _as_user(no_user_namespaces=False):
     def drop():
         ex._libc("unshare", ex._NEWNS)
         ex._mount(None, b"/", None, 1 << 14 | 1 << 18)  # MS_REC | MS_PRIVATE
-        _open_to_others([sys.base_prefix, sys.prefix, ROOT])
+        _open_to_others([sys.base_prefix, sys.prefix, f"{ROOT}/tests/sandbox_caller.py", f"{ROOT}/executor.py"])
         if no_user_namespaces:
             ex._no_user_namespaces()
         os.setgroups([])
