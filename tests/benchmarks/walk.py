@@ -68,7 +68,8 @@ def walk() -> list:
     with open(os.path.join(ROOT, "tests", "benchmarks", "walk.list"), encoding="utf-8") as f:
         entries = [line.split(None, 3) for line in f if line.strip() and not line.startswith("#")]
     for name, qualname, sandbox, _ in entries:
-        sources.setdefault(name, read_source(name))
+        if name not in sources:  # (setdefault would read and tokenize the file again for every entry)
+            sources[name] = read_source(name)
         tree, lines, comments, mark = sources[name]
         node = find(tree, qualname)
         span = range(min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno + 1)
