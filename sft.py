@@ -659,6 +659,15 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
 
 
+def start_run(args_path: str, stage: str, args, lock: str):
+    """A run's first write, on rank 0 once every check has passed: hold the run's lock
+    (`executor.lock_run` on `lock`, its --out) and write `args_path` ({"stage", **args}),
+    its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(args_path)), exist_ok=True)
+    executor.lock_run(lock)
+    executor.write_json_atomic(args_path, {"stage": stage, **vars(args)})
+
+
 def check_torch(args, device, version: str = torch.__version__):
     """Refuse flags this torch cannot run (tests/faults.md D14): --fsdp needs
     torch.distributed.fsdp.fully_shard (torch >= 2.6); bf16 FSDP with --grad-checkpointing (on
@@ -879,9 +888,7 @@ def main(argv=None):
     warmup = int(args.warmup * total)
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
     if rank == 0:  # every check passed: the run's first write
-        os.makedirs(args.out, exist_ok=True)
-        executor.lock_run(args.out)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
+        start_run(os.path.join(args.out, "args.json"), "sft", args, lock=args.out)
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     print0(f"memory plan a rank: model + optimizer state "
            f"{state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer):.1f} GiB")
