@@ -173,8 +173,7 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0,
-                check_finite=True):
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start, check_finite):
         assert not getattr(getattr(self.lm, "config", None), "final_logit_softcapping", None), \
             "token_logprobs: final logit soft-capping is not supported"
         body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
