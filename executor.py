@@ -1592,11 +1592,6 @@ def _compact(cache, mask):
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
-# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none";
-# RAM before swap (v1 refuses a memsw limit below the RAM one); the swap files exist only with swap accounting
-_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1, "memory.memsw.limit_in_bytes": -1},
-                  "pids": {"pids.max": "max"},
-                  "": {"memory.max": "max", "memory.swap.max": "max", "pids.max": "max"}}
 _SWAP_LIMITS = ("memory.memsw.limit_in_bytes", "memory.swap.max")
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
 # audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
@@ -2068,20 +2063,26 @@ def _make_cgroup(memory_mb) -> list:
     """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
     under the caller's own: limits that count every task (threads too) and page (memfds,
     page cache, kernel memory) of a block. [] where the caller may not make one."""
-    dirs = []
+    # its limit files in v1's memory and pids hierarchies and in v2 (None: none, as a new cgroup has), RAM before
+    # swap (v1 refuses a memsw limit below the RAM one): pids a hard stop above the count (should a bomb outrun it);
+    # memory_mb MiB of RAM and swap together (v1's memsw limit equals the RAM limit, v2's swap limit is 0: on a host
+    # with swap a block would otherwise push the rest of its pages there, tests/faults.md S39)
+    ram, swap, pids, dirs = memory_mb << 20 or None, 0 if memory_mb else None, MAX_BLOCK_TASKS + MAX_BLOCK_PROCS, []
+    limits = {"memory": {"memory.limit_in_bytes": ram, "memory.memsw.limit_in_bytes": ram}, "pids": {"pids.max": pids},
+              "": {"memory.max": ram, "memory.swap.max": swap, "pids.max": pids}}
     with open("/proc/self/cgroup") as f:
         for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
             d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
-            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
+            if ctrls not in limits or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
                 continue  # (another controller, or no cgroup file system there)
             try:
                 os.mkdir(d)
-                for name, none in _CGROUP_LIMITS[ctrls].items():
-                    if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
-                        continue  # no swap accounting: nothing to limit, or nothing the kernel can
+                for name, value in limits[ctrls].items():
+                    if value is None or name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
+                        continue  # the swap files exist only with swap accounting: nothing the kernel can limit
                     try:
                         with open(f"{d}/{name}", "w") as limit:
-                            limit.write(str(_cgroup_limit(name, memory_mb, none)))
+                            limit.write(str(value))
                     except OSError:  # a refused swap limit keeps the RAM limit; any other drops the cgroup
                         if name not in _SWAP_LIMITS:
                             raise
@@ -2089,18 +2090,6 @@ def _make_cgroup(memory_mb) -> list:
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])
     return dirs
-
-
-def _cgroup_limit(name, memory_mb, none):
-    """The value of a block cgroup's limit file: pids a hard stop above the count (should a
-    bomb outrun it); memory `memory_mb` MiB of RAM and swap together (v1's memsw limit equals
-    the RAM limit, v2's swap limit is 0: on a host with swap a block would otherwise push the
-    rest of its pages there, tests/faults.md S39); `none` without memory_mb."""
-    if name == "pids.max":
-        return MAX_BLOCK_TASKS + MAX_BLOCK_PROCS
-    if not memory_mb:
-        return none
-    return 0 if name == "memory.swap.max" else memory_mb << 20
 
 
 def _remove_cgroup(dirs):
