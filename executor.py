@@ -1768,7 +1768,8 @@ def _enter_new_root(own_proc=False):
     them: run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
     random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
     own. Only binds of those folders, not of the mounts below them: no host mount is
-    remounted, so one hidden under another (shadowed) cannot make this fail. /etc holds
+    remounted, so one hidden under another (shadowed) cannot make this fail; a folder of
+    them inside another is bound again, so a mount there shows (tests/faults.md S44). /etc holds
     os-release, and hosts and nsswitch.conf naming localhost, as `python block.py` sees them.
     own_proc (in a user namespace): a proc of the template's PID namespace at /proc, which the
     kernel asks for before a block may mount its own there. Raises OSError."""
@@ -1787,26 +1788,23 @@ def _enter_new_root(own_proc=False):
     hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
     real = [p for p in real if p not in hidden]  # the project as a sys.path folder (pip install -e): not bound
     masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
-
-    def under(p, q):  # p is q or inside it
-        return (p + "/").startswith(q + "/")
-    # a folder inside a bound one is bound with it, unless a mask lies between them
-    real = [p for p in real if not any(under(p, q) and p != q and not any(under(p, m) and under(m, q) for m in masks)
-                                       for q in real)]
     devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
     sources = {p: os.open(p, os.O_PATH) for p in sorted(real + masks) + devices}  # (before the tmpfs hides /tmp)
     _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
-    for p, fd in sources.items():  # parents before children: a mask, then what is bound inside it
+    # parents before children, each bound alone: a folder inside a bound one is bound again (another mount there,
+    # a venv's site-packages say, would be empty in its parent's bind: tests/faults.md S44), a mask covers what it
+    # hides, then what lies inside it is bound
+    for p, fd in sources.items():
         new = f"/tmp{p}"
+        with contextlib.suppress(OSError):  # (read-only in a bound folder: there, unless below a mount it leaves out)
+            os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
+            if not os.path.exists(new):
+                os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
         if p in masks:
             _mount(b"tmpfs", new.encode(), b"tmpfs", _NOSUID | _NODEV, b"mode=755")
-            os.close(fd)
-            continue
-        os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
-        if not os.path.exists(new):
-            os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
-        _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
-        _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
+        elif os.path.exists(new):  # (else: not there, as in its parent's bind)
+            _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
+            _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
         os.close(fd)
     links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
                   "/dev/stderr": "/proc/self/fd/2"})
