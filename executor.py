@@ -1778,7 +1778,6 @@ def _enter_new_root(own_proc=False):
     asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              *filter(None, sys.path)]
     links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
-    real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
     # the project (this file's folder) and the caller's working folder, real paths: where they lie
     # inside a bound folder (a project under /usr/src, a venv holding the checkout), an empty
     # tmpfs covers them there (tests/faults.md S36); a folder a system path lies in is never hidden
@@ -1786,10 +1785,11 @@ def _enter_new_root(own_proc=False):
     with contextlib.suppress(OSError):  # (a working folder deleted under the caller: nothing to hide)
         hidden.add(os.path.realpath(os.getcwd()))
     hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
-    real = [p for p in real if p not in hidden]  # the project as a sys.path folder (pip install -e): not bound
+    # (the project as a sys.path folder, pip install -e: not bound)
+    real = {os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"} - hidden
     masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
     devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
-    sources = {p: os.open(p, os.O_PATH) for p in sorted(real + masks) + devices}  # (before the tmpfs hides /tmp)
+    sources = {p: os.open(p, os.O_PATH) for p in sorted([*real, *masks]) + devices}  # (before the tmpfs hides /tmp)
     _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
     # parents before children, each bound alone: a folder inside a bound one is bound again (another mount there,
     # a venv's site-packages say, would be empty in its parent's bind: tests/faults.md S44), a mask covers what it
