@@ -61,7 +61,8 @@ Departures from the paper (it does not describe its executor):
          on those shared files, and
          nobody's per-user limits (inotify instances), shared by concurrent blocks (a
          channel between them); mounts below a bound folder that are not themselves
-         one of those folders show as empty folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
+         one of those folders show as empty folders; the descriptions (not the
+         contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
        - with a cgroup on a host whose kernel does not account swap (or refuses the swap
          limit): pages a block's memory limit pushes out to swap;
