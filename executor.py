@@ -60,8 +60,9 @@ Departures from the paper (it does not describe its executor):
          files, nor a bind mount of them elsewhere); keep them outside; flock and inotify
          on those shared files, and
          nobody's per-user limits (inotify instances), shared by concurrent blocks (a
-         channel between them); mounts below a bound folder show as empty
-         folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
+         channel between them); mounts below a bound folder that are not themselves
+         one of those folders show as empty folders; the descriptions (not the
+         contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
        - with a cgroup on a host whose kernel does not account swap (or refuses the swap
          limit): pages a block's memory limit pushes out to swap;
@@ -1592,11 +1593,6 @@ def _compact(cache, mask):
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
-# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none";
-# RAM before swap (v1 refuses a memsw limit below the RAM one); the swap files exist only with swap accounting
-_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1, "memory.memsw.limit_in_bytes": -1},
-                  "pids": {"pids.max": "max"},
-                  "": {"memory.max": "max", "memory.swap.max": "max", "pids.max": "max"}}
 _SWAP_LIMITS = ("memory.memsw.limit_in_bytes", "memory.swap.max")
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
 # audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
@@ -1773,7 +1769,8 @@ def _enter_new_root(own_proc=False):
     them: run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
     random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
     own. Only binds of those folders, not of the mounts below them: no host mount is
-    remounted, so one hidden under another (shadowed) cannot make this fail. /etc holds
+    remounted, so one hidden under another (shadowed) cannot make this fail; a folder of
+    them inside another is bound again, so a mount there shows (tests/faults.md S44). /etc holds
     os-release, and hosts and nsswitch.conf naming localhost, as `python block.py` sees them.
     own_proc (in a user namespace): a proc of the template's PID namespace at /proc, which the
     kernel asks for before a block may mount its own there. Raises OSError."""
@@ -1782,7 +1779,6 @@ def _enter_new_root(own_proc=False):
     asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              *filter(None, sys.path)]
     links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
-    real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
     # the project (this file's folder) and the caller's working folder, real paths: where they lie
     # inside a bound folder (a project under /usr/src, a venv holding the checkout), an empty
     # tmpfs covers them there (tests/faults.md S36); a folder a system path lies in is never hidden
@@ -1790,28 +1786,26 @@ def _enter_new_root(own_proc=False):
     with contextlib.suppress(OSError):  # (a working folder deleted under the caller: nothing to hide)
         hidden.add(os.path.realpath(os.getcwd()))
     hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
-    real = [p for p in real if p not in hidden]  # the project as a sys.path folder (pip install -e): not bound
+    # (the project as a sys.path folder, pip install -e: not bound)
+    real = {os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"} - hidden
     masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
-
-    def under(p, q):  # p is q or inside it
-        return (p + "/").startswith(q + "/")
-    # a folder inside a bound one is bound with it, unless a mask lies between them
-    real = [p for p in real if not any(under(p, q) and p != q and not any(under(p, m) and under(m, q) for m in masks)
-                                       for q in real)]
     devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
-    sources = {p: os.open(p, os.O_PATH) for p in sorted(real + masks) + devices}  # (before the tmpfs hides /tmp)
+    sources = {p: os.open(p, os.O_PATH) for p in sorted([*real, *masks]) + devices}  # (before the tmpfs hides /tmp)
     _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
-    for p, fd in sources.items():  # parents before children: a mask, then what is bound inside it
+    # parents before children, each bound alone: a folder inside a bound one is bound again (another mount there,
+    # a venv's site-packages say, would be empty in its parent's bind: tests/faults.md S44), a mask covers what it
+    # hides, then what lies inside it is bound
+    for p, fd in sources.items():
         new = f"/tmp{p}"
+        with contextlib.suppress(OSError):  # (read-only in a bound folder: there, unless below a mount it leaves out)
+            os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
+            if not os.path.exists(new):
+                os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
         if p in masks:
             _mount(b"tmpfs", new.encode(), b"tmpfs", _NOSUID | _NODEV, b"mode=755")
-            os.close(fd)
-            continue
-        os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
-        if not os.path.exists(new):
-            os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
-        _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
-        _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
+        elif os.path.exists(new):  # (else: not there, as in its parent's bind)
+            _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
+            _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
         os.close(fd)
     links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
                   "/dev/stderr": "/proc/self/fd/2"})
@@ -2068,20 +2062,26 @@ def _make_cgroup(memory_mb) -> list:
     """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
     under the caller's own: limits that count every task (threads too) and page (memfds,
     page cache, kernel memory) of a block. [] where the caller may not make one."""
-    dirs = []
+    # its limit files in v1's memory and pids hierarchies and in v2 (None: none, as a new cgroup has), RAM before
+    # swap (v1 refuses a memsw limit below the RAM one): pids a hard stop above the count (should a bomb outrun it);
+    # memory_mb MiB of RAM and swap together (v1's memsw limit equals the RAM limit, v2's swap limit is 0: on a host
+    # with swap a block would otherwise push the rest of its pages there, tests/faults.md S39)
+    ram, swap, pids, dirs = memory_mb << 20 or None, 0 if memory_mb else None, MAX_BLOCK_TASKS + MAX_BLOCK_PROCS, []
+    limits = {"memory": {"memory.limit_in_bytes": ram, "memory.memsw.limit_in_bytes": ram}, "pids": {"pids.max": pids},
+              "": {"memory.max": ram, "memory.swap.max": swap, "pids.max": pids}}
     with open("/proc/self/cgroup") as f:
         for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
             d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
-            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
+            if ctrls not in limits or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
                 continue  # (another controller, or no cgroup file system there)
             try:
                 os.mkdir(d)
-                for name, none in _CGROUP_LIMITS[ctrls].items():
-                    if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
-                        continue  # no swap accounting: nothing to limit, or nothing the kernel can
+                for name, value in limits[ctrls].items():
+                    if value is None or name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
+                        continue  # the swap files exist only with swap accounting: nothing the kernel can limit
                     try:
                         with open(f"{d}/{name}", "w") as limit:
-                            limit.write(str(_cgroup_limit(name, memory_mb, none)))
+                            limit.write(str(value))
                     except OSError:  # a refused swap limit keeps the RAM limit; any other drops the cgroup
                         if name not in _SWAP_LIMITS:
                             raise
@@ -2089,18 +2089,6 @@ def _make_cgroup(memory_mb) -> list:
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])
     return dirs
-
-
-def _cgroup_limit(name, memory_mb, none):
-    """The value of a block cgroup's limit file: pids a hard stop above the count (should a
-    bomb outrun it); memory `memory_mb` MiB of RAM and swap together (v1's memsw limit equals
-    the RAM limit, v2's swap limit is 0: on a host with swap a block would otherwise push the
-    rest of its pages there, tests/faults.md S39); `none` without memory_mb."""
-    if name == "pids.max":
-        return MAX_BLOCK_TASKS + MAX_BLOCK_PROCS
-    if not memory_mb:
-        return none
-    return 0 if name == "memory.swap.max" else memory_mb << 20
 
 
 def _remove_cgroup(dirs):

@@ -1815,6 +1815,26 @@ def test_a_shadowed_mount_leaves_blocks_contained_S34(tmp_path):
 
 @pytest.mark.timeout(60)
 @ROOT_ONLY
+def test_a_mount_inside_a_bound_folder_shows_in_the_blocks_root_S44(tmp_path):
+    """tests/faults.md S44: the interpreter's site-packages a mount of its own inside its bound
+    venv (a volume) holds its files in the block's root, read-only (before: only the venv was
+    bound, alone, so site-packages was the empty folder below the mount: ModuleNotFoundError)."""
+    shutil.copy(os.path.join(ROOT, "executor.py"), tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True, timeout=50)
+    site = glob.glob(str(tmp_path / ".venv/lib/python*/site-packages"))[0]
+    block = "import s44_probe, os\nprint(s44_probe.VALUE, os.access(s44_probe.__file__, os.W_OK))"
+    code = ("import executor as ex\nex._libc('unshare', ex._NEWNS)\nex._mount(None, b'/', None, 1 << 14 | 1 << 18)\n"
+            f"ex._mount(b'tmpfs', {site.encode()!r}, b'tmpfs', 0)\n"
+            f"open({site + '/s44_probe.py'!r}, 'w').write('VALUE = 44\\n')\n"
+            "with ex.Sandbox(workers=1, timeout=10) as sb:\n"
+            f"    r = sb.run({block!r})\n    print(sb.contained, r.status, r.output, end='')\n")
+    p = subprocess.run([str(tmp_path / ".venv/bin/python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=50)
+    assert (p.stdout, p.stderr) == ("True ok 44 False\n", ""), p.stdout + p.stderr
+
+
+@pytest.mark.timeout(60)
+@ROOT_ONLY
 def test_a_root_caller_that_cannot_contain_blocks_stops_unless_it_asked_S35():
     """tests/faults.md S35: a root caller without CAP_SYS_ADMIN (dropped from its bounding
     set: the template cannot unshare) gets a SandboxError at start; with
