@@ -702,8 +702,7 @@ def run_summary(args, problems, samples) -> str:
         f"Files in {os.path.abspath(args.out)}:",
         "  metrics.jsonl     one line per step (the table above and more)",
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
-        "  latest/           the trained policy (Hugging Face directory) and trainer state",
-        f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
+        "  latest/           the trained policy (Hugging Face directory) and trainer state", "=" * 80])
 
 
 # -----------------------------------------------------------------------------
