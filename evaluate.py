@@ -455,9 +455,9 @@ def parse_args(argv=None):
     p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
     args = p.parse_args(argv)
     # --from-samples reads only DIR (and --show): any other flag would be ignored
-    used = ("from_samples", "show") if args.from_samples is not None else tuple(vars(args))
-    if ignored := [a for a, v in vars(args).items() if a not in used and v != p.get_default(a)]:
-        p.error(f"--{ignored[0].replace('_', '-')} has no effect with --{used[0].replace('_', '-')}")
+    ignored = [a for a, v in vars(args).items() if a not in ("from_samples", "show") and v != p.get_default(a)]
+    if args.from_samples is not None and ignored:
+        p.error(f"--{ignored[0].replace('_', '-')} has no effect with --from-samples")
     return args
 
 
