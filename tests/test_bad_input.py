@@ -627,18 +627,15 @@ def test_distill_refuses_an_out_it_did_not_write_and_prompts_that_cannot_fit(tin
 
 
 # -----------------------------------------------------------------------------
-# 10) flags that would be ignored, --plot on a log without its fields, a full disk in torch.save
+# 10) flags that would be ignored, a full disk in torch.save
 
 
 def test_evaluate_refuses_flags_it_would_ignore(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     for argv, msg in ((["--from-samples", str(tmp_path), "--k", "3"], "--k has no effect with --from-samples"),
-                      (["--from-samples", str(tmp_path), "--out", "x"], "--out has no effect with --from-samples"),
-                      (["--plot", str(tmp_path), "--from-samples", "x"], "--from-samples has no effect with --plot"),
-                      (["--plot", str(tmp_path)], f"{tmp_path}/metrics.jsonl: a row without the field 'reward_mean'")):
+                      (["--from-samples", str(tmp_path), "--out", "x"], "--out has no effect with --from-samples")):
         assert ex.cli(ev.main, argv) == 2
-        assert capsys.readouterr().err == f"evaluate.py: error: {msg}" + ("\n" if "row" not in msg else
-                                                                            " (not a grpo.py metrics log?)\n")
+        assert capsys.readouterr().err == f"evaluate.py: error: {msg}\n"
     assert os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
@@ -1039,7 +1036,7 @@ def test_a_full_disk_in_distill_leaves_no_torn_row_and_the_resume_gives_the_same
 
 
 # -----------------------------------------------------------------------------
-# 14) an evaluation's folder: its --data spelt two ways, --plot, samples of mixed k, compare.py
+# 14) an evaluation's folder: its --data spelt two ways, samples of mixed k, compare.py
 
 
 EVAL_FLAGS = ["--k", "1", "--max-new-tokens", "2", "--exec-workers", "1"]
@@ -1059,14 +1056,6 @@ def test_the_same_data_file_spelt_relative_resumes_B27(evaluation, tiny_dir, fil
     capsys.readouterr()
     assert ex.cli(ev.main, ["--model", tiny_dir, "--data", "in/p.jsonl", "--out", evaluation, *EVAL_FLAGS]) == 0
     assert f"3 samples already in {evaluation}" in capsys.readouterr().out
-
-
-def test_plot_of_a_good_and_a_bad_folder_writes_nothing_B26(evaluation, files, tmp_path, capsys):
-    before = _tree(tmp_path)
-    assert ex.cli(ev.main, ["--plot", evaluation, files["dir"]]) == 2
-    assert capsys.readouterr().err == (f"evaluate.py: error: {files['dir']}: neither metrics.jsonl (a grpo.py run) nor "
-                                       "samples.jsonl (an evaluation)\n")
-    assert _tree(tmp_path) == before  # (diagnostics.png of the good one was written first)
 
 
 def test_samples_of_mixed_k_are_refused_B35(evaluation, tmp_path, capsys):
