@@ -596,6 +596,9 @@ def test_s6_matplotlib_show_does_not_hang(sb):
         assert r.status == "error"
         assert "ModuleNotFoundError" in r.output or "ImportError" in r.output
         assert "done\n" not in r.output.splitlines(True)  # (the source line shows print("done"))
+    # what makes show() return where matplotlib is installed (CI has none since --plot went): its
+    # backend is the non-interactive Agg, set in the block's environment
+    assert sb.run('import os; print(os.environ.get("MPLBACKEND"))').output == "Agg\n"
 
 
 # -----------------------------------------------------------------------------
