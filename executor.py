@@ -1562,14 +1562,12 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    B, H, L, D = query.shape
-    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])  # (B, L, H, D)
     for h in range(n_kv):
         heads = slice(h * G, (h + 1) * G)
         k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
-        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
-                                                             dropout_p=dropout, scale=scaling)
-        out[:, :, heads] = o.transpose(1, 2)
+        out[:, :, heads] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, heads], k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling).transpose(1, 2)
     return out, None
 
 
