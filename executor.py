@@ -15,10 +15,10 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 Reading order: after this docstring (the sandbox's coverage below is for later), top down
 as the method runs. First the contract (the prompts, the token roles, `Sample`,
 `split_completion`: what a trajectory is), then `rollout` and its helpers in the order it
-calls them, then sampling, then grading (multiple choice and the Math-Verify helper process
+calls them, then the KV cache and the batched forward, then sampling, then grading (multiple choice and the Math-Verify helper process
 can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the rest of the class can
 wait). Below the line marked "Internals" is what a reader of the method does not need: the
-KV-cache slab, the sandbox's fork server and namespaces, model loading, files, progress bars
+grouped attention kernel, the sandbox's fork server and namespaces, model loading, files, progress bars
 and the command line.
 
     python executor.py block.py          # run a file through the sandbox, print what a model sees
@@ -364,6 +364,16 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     the sandbox and feeds nothing until the output is back; the other rows decode on (and
     free places are refilled) meanwhile. The batch stalls only when every row waits on a block.
 
+    Phases, each named by a comment in the code: PREFILL the prefix every prompt shares (the
+    system prompt; distillation's few-shot turns) once, into every place of the batch; then,
+    until every sample is done: PLACE the next samples in the free places; SHRINK the batch to
+    its busy rows once nothing is left to place; append the OUTPUTS of the blocks that have
+    finished (waiting only when every row waits on one); FORWARD one ragged chunk (a prompt's
+    rest, the last sampled token, or the fence and output block after a run); SHARE a prompt's
+    KV rows and first logits with its samples placed on another's row; SAMPLE a token for every
+    row fed or placed, applying the stop rules (a closed block goes to the sandbox); RETIRE the
+    finished rows (each reported at once, its place freed).
+
     Args:
         prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
             prefix they all share is prefilled once (`shared_prefix_len`) and kept by every row.
@@ -408,9 +418,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         return []
     if not all(prompts):  # a chat template always gives tokens; a caller's own list may not
         raise ValueError("rollout: every prompt needs at least one token")
-    device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
     # sample i draws from its own generator: its tokens depend on its seed and its own logits,
     # never on when other rows pause for their blocks or which row's place it takes
@@ -424,63 +432,41 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         progress(0, rows[i])
         on_sample(i, rows[i])
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
-    with pool, torch.inference_mode():
-        # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
-        #    turns) once; every place in the batch starts from it
+    with concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers) as pool, torch.inference_mode():
+        # PREFILL the prefix every prompt shares once; every place in the batch starts from it
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
+        mask = torch.zeros((1, 0), dtype=torch.long, device=next(model.parameters()).device)  # (1, 0)
         if shared:
-            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
+            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], tokenizer.pad_token_id or 0)
         slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
         cache.batch_repeat_interleave(len(slots))
         mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
-        need = []  # need[b]: batch row b samples from logits[b] (it was fed something)
         nxt = 0  # the next sample to place
         src = None  # (prompt, batch row) of the sample placed last: its siblings reuse that row's KV rows
-        placed = []  # (batch row, batch row to copy from, prompt) of each sample placed this round
         prompt_logits = {}  # prompt -> (V,) logits after its last token: every sample's first draw
 
-        while True:
-            # 2) sample for every row that was fed something, and check its stops; a row
-            #    that closed a block sends it to the sandbox now and decodes on when it is back
-            if idx := [b for b, w in enumerate(need) if w]:
-                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
-                progress(len(idx), None)
-                for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
-                    r = rows[slots[b]]
-                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
-                    if r.finish is None and r.code is not None:
-                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
-            # 3) finished rows are reported and free their place
-            for b, i in enumerate(slots):
-                if i is not None and rows[i].finish is not None:
-                    finished(i)
-                    slots[b] = None
-            # 4) the next samples take the free places. A sample of the prompt placed last reuses
-            #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
-            #    same place if it is free; any other keeps the shared prefix and prefills the rest
-            free = [b for b, i in enumerate(slots) if i is None]
-            while free and nxt < len(rows):
+        while nxt < len(rows) or any(i is not None for i in slots):
+            # PLACE the next samples in the free places: a sibling of the sample placed last
+            # takes that row's place if free, else the first free one
+            placed = []  # (batch row, batch row to copy from, prompt) of each sample placed now
+            while None in slots and nxt < len(rows):
                 i, nxt = nxt, nxt + 1
                 if rows[i].finish is not None:  # no room for a token: never fed
                     finished(i)
                     continue
                 sibling = src is not None and src[0] == i // n
-                b = src[1] if sibling and src[1] in free else free[0]
+                b = src[1] if sibling and slots[src[1]] is None else slots.index(None)
                 mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
                 placed.append((b, src[1] if sibling else b, i // n))
-                free.remove(b)
                 slots[b], src = i, (i // n, b)
-            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
+            # SHRINK the batch to its busy rows once nothing is left to place
+            if nxt == len(rows) and None in slots and not placed:
                 keep = [b for b, i in enumerate(slots) if i is not None]
-                if not keep:
-                    break
-                cache.batch_select_indices(torch.tensor(keep, device=device))
+                cache.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=mask.device))
                 mask, slots = mask[keep], [slots[b] for b in keep]
-            # 5) append the output of every block that has finished; if no row has anything
-            #    else to do, wait for the first one
+            # OUTPUTS: append those of the blocks that have finished; wait for the first one
+            # if no row has anything else to do
             running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
             if running and len(running) == len(slots) - slots.count(None):
                 t0 = time.perf_counter()
@@ -490,31 +476,40 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             for r in running:
                 if r.running.done():
                     r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
-            # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
-            # the shared prefix, its last sampled token, or the fence and the output block after
-            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
-            # (in its sibling's own place, it holds more than its prompt already)
+            # FORWARD what each row's cache lacks (it holds the row's first `held` ids), after
+            # dropping the positions no row attends to if the cache would pass max_context or
+            # 5/4 of its longest row (each drop copies the cache once: rare, never a 2x peak)
             copied = {dst for dst, b, _ in placed if b != dst}
             feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
                      else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
-            # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
-            #    dropping the positions no row attends to if the cache would pass max_context or
-            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
             if any(feeds):
                 width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
                 if real < mask.shape[1] and width > min(max_context, real + real // 4):
                     mask = _compact(cache, mask)
-                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)  # (B, V), (B, S + L)
-            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
-            #    and its mask up to the prompt's end, and samples its first token from the logits
-            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
+                # (B, V), (B, S + L)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, tokenizer.pad_token_id or 0)
+            # SHARE: a sample placed on a sibling's row copies its KV rows (a no-op in its own
+            # place) and mask up to the prompt's end, and the logits the prompt's prefill gave
             for dst, b, p in placed:
                 for layer in [x for x in cache.layers if x.is_initialized]:
                     layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
                 mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
                 logits[dst] = prompt_logits.setdefault(p, logits[dst].clone())
-            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
-            placed, prompt_logits = [], {p: v for p, v in prompt_logits.items() if p == src[0]}
+            prompt_logits = {p: v for p, v in prompt_logits.items() if p == src[0]}  # kept while it has samples
+            # SAMPLE for every row fed or placed, and apply the stop rules; a closed block goes
+            # to the sandbox now
+            if idx := [b for b, f in enumerate(feeds) if f or b in {p[0] for p in placed}]:
+                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
+                progress(len(idx), None)
+                for r, t, lp in zip([rows[slots[b]] for b in idx], tokens.tolist(), logps.tolist()):
+                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
+                    if r.finish is None and r.code is not None:
+                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
+            # RETIRE finished rows: reported at once, their places free
+            for b, i in enumerate(slots):
+                if i is not None and rows[i].finish is not None:
+                    finished(i)
+                    slots[b] = None
     if own_bar:
         progress.close()
     return rows
@@ -633,9 +628,8 @@ def _append_output(r, res, tokenizer, max_context):
     decode to, which is what the model sees: a normalising tokenizer (NFC: the Ohm sign
     U+2126 becomes U+03A9) cannot show the printed text, so the record says what it showed,
     and the completion, the block's output and SFT's ids agree (tests/faults.md G15)."""
-    lead = "" if r.text.endswith("\n") else "\n"
     shown = decode_text(tokenizer, encode_text(tokenizer, res.output))
-    chunk = encode_text(tokenizer, output_block(shown, lead))
+    chunk = encode_text(tokenizer, output_block(shown, "" if r.text.endswith("\n") else "\n"))
     if len(r.ids) + len(chunk) >= max_context:
         return "length"
     r.blocks.append({"code": r.code, "output": shown, "status": res.status})
@@ -661,6 +655,100 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
+
+
+# -----------------------------------------------------------------------------
+# KV cache: the slab and the engine's batched forward
+
+def _kv_cache(model, max_len: int | None = None):
+    """A transformers DynamicCache whose full-attention layers (sliding-window ones keep
+    their own class) are `SlabLayer`s: (B, H_kv, S, D) keys and values in a preallocated slab
+    of capacity >= S that grows by 25% (at least 256 positions, at most `max_len`) when full;
+    `keys` and `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
+    batch_repeat_interleave and batch_select_indices work on those views; a view that no
+    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
+
+    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
+    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
+    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
+    Unlike a static cache the length is not fixed in advance (a rollout's final length is
+    unknown) and attention reads only the filled part. The spare capacity is at most 25%
+    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        k_slab = v_slab = None  # (B, H_kv, capacity, D), once written
+
+        def update(self, new_k, new_v, *args, **kwargs):  # (B, H_kv, L, D) each: the positions written now
+            if not self.is_initialized:
+                self.lazy_initialization(new_k, new_v)
+                self.keys, self.values = new_k[:, :, :0], new_v[:, :, :0]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + new_k.shape[-2]  # positions: held, after the write
+            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
+            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
+                capacity = max(end, min(max(end + 256, end * 5 // 4), max_len or math.inf))
+                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3])) for t in (new_k, new_v))
+                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = new_k, new_v
+            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [SlabLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
+# block) is cut into forwards of this many columns, so that its transient, which grows with
+# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
+FEED_CHUNK = 256
+
+
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
+    """Append one ragged chunk per row to the KV cache and return the last logits.
+
+    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
+        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
+        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
+        through `_grouped_attention` (no copy of the KV heads; tests/faults.md G23).
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
+    """
+    import torch
+    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
+        cut = slice(max(end - FEED_CHUNK, 0), end)
+        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
+        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
+        with _grouped_attention(model, end - cut.start):
+            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :], past_mask
+
+
+def _pad_left(seqs, pad_id, device):
+    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+    return ids, torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+
+
+def _compact(cache, mask):
+    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
+    in order) move to the right end of the S' = max row sum positions kept, in place (the
+    slab stays; attention does not depend on where a key sits, its rotary position is in it).
+    mask: (B, S) 0/1. Returns the (B, S') mask."""
+    keep = int(mask.sum(dim=1).max())
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
+            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+    return mask.gather(1, idx)
 
 
 # -----------------------------------------------------------------------------
@@ -693,8 +781,7 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     import torch
     logits = logits.float()
     check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
-    scaled = logits / temperature if temperature > 0 else logits  # (B, V)
-    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
+    kept = top_k_top_p(logits / temperature, top_p, top_k) if temperature > 0 else logits  # (B, V), -inf outside
     logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
@@ -1436,107 +1523,27 @@ class Sandbox(contextlib.AbstractContextManager):
 # Internals: below this line, what a reader of the method does not need
 
 # -----------------------------------------------------------------------------
-# KV cache: the slab and the engine's batched forward
+# Grouped attention: a multi-token feed without repeat_kv's copy
 
-def _kv_cache(model, max_len: int | None = None):
-    """A transformers DynamicCache whose full-attention layers keep their keys and values
-    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
-    many are needed; sliding-window layers keep their own class."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-@functools.cache
-def _slab_layer_class():
-    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
-    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
-    batch_repeat_interleave and batch_select_indices work on those views; a view that no
-    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
-
-    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
-    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
-    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
-    Unlike a static cache the length is not fixed in advance (a rollout's final length is
-    unknown) and attention reads only the filled part. The spare capacity is at most 25%
-    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class SlabLayer(DynamicLayer):
-        def __init__(self, max_len=None):
-            super().__init__()
-            self.max_len, self.k_slab, self.v_slab = max_len, None, None
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
-            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
-            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
-                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
-                                            for t in (key_states, value_states))
-                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
-            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
-            return self.keys, self.values
-
-    return SlabLayer
-
-
-# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
-# block) is cut into forwards of this many columns, so that its transient, which grows with
-# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
-FEED_CHUNK = 256
-
-
-def _forward_chunk(model, cache, past_mask, feeds, pad_id):
-    """Append one ragged chunk per row to the KV cache and return the last logits.
-
-    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
-        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
-        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
-        through `_grouped_sdpa`.
-    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
-    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (G8).
-    """
-    import torch
-    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+@contextlib.contextmanager
+def _grouped_attention(model, tokens: int):
+    """While a forward of `tokens` tokens a row runs: on an sdpa model fed more than one token,
+    attention is `_grouped_sdpa` (registered with transformers, masks as sdpa's), not
+    transformers' sdpa, which copies the KV heads to every query head under a mask (repeat_kv:
+    4x a layer's cache for Qwen3-4B; tests/faults.md G23). Otherwise nothing changes."""
     config = model.config
-    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
-    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
-        cut = slice(max(end - FEED_CHUNK, 0), end)
-        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
-        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
-        # transformers' sdpa copies the KV heads to every query head under a mask when more
-        # than one token is fed (repeat_kv: 4x a layer's cache for Qwen3-4B); the engine's own
-        # attention reads them as they are (tests/faults.md G23)
-        if sdpa and end - cut.start > 1:
-            config._attn_implementation = _grouped_attention()
-        try:
-            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
-                        use_cache=True, logits_to_keep=1)
-        finally:
-            if sdpa:
-                config._attn_implementation = "sdpa"
-    return out.logits[:, -1, :], past_mask
-
-
-@functools.cache
-def _grouped_attention() -> str:
-    """Register `_grouped_sdpa` with transformers (once) under the name it returns; masks as sdpa's."""
+    if tokens < 2 or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register("thinc_grouped_sdpa", _grouped_sdpa)
     AttentionMaskInterface.register("thinc_grouped_sdpa", sdpa_mask)
-    return "thinc_grouped_sdpa"
+    config._attn_implementation = "thinc_grouped_sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -1556,38 +1563,13 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    B, H, L, D = query.shape
-    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])  # (B, L, H, D)
     for h in range(n_kv):
         heads = slice(h * G, (h + 1) * G)
         k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
-        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
-                                                             dropout_p=dropout, scale=scaling)
-        out[:, :, heads] = o.transpose(1, 2)
+        out[:, :, heads] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, heads], k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling).transpose(1, 2)
     return out, None
-
-
-def _pad_left(seqs, pad_id, device):
-    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
-    return ids.to(device), mask.to(device)
-
-
-def _compact(cache, mask):
-    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
-    in order) move to the right end of the S' = max row sum positions kept, in place (the
-    slab stays; attention does not depend on where a key sits, its rotary position is in it).
-    mask: (B, S) 0/1. Returns the (B, S') mask."""
-    keep = int(mask.sum(dim=1).max())
-    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
-    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
-        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
-            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
-        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-    return mask.gather(1, idx)
 
 
 # -----------------------------------------------------------------------------
