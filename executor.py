@@ -821,23 +821,18 @@ def extract_answer(text: str, prose_only: bool = True):
 
 
 def _box_at(text: str, j: int):
-    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
+    """(content, end) of the box whose command and blanks end at text[j]: content None if
+    unbalanced. A braced box ends at its brace group's closing brace; escaped braces (`\\{`,
+    `\\}`) do not count, as in TeX."""
     if j < len(text) and text[j] == "{":
-        content = _braced(text, j)
-        return content, j + len(content or "") + 2
+        depth = 0
+        for m in _BRACE_TOKEN.finditer(text, j):
+            depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+            if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+                return text[j + 1:m.start()], m.end()
+        return None, len(text)
     content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
     return content, j + len(content or "")
-
-
-def _braced(text: str, j: int):
-    """Content of the brace group opening at text[j] == '{', or None if unbalanced.
-    Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
-    depth = 0
-    for m in _BRACE_TOKEN.finditer(text, j):
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
-        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
-            return text[j + 1:m.start()]
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -2437,31 +2432,25 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, max_line: int = LINE_MAX, 
             if len(raw) > max_line:
                 raise InputError(f"{path}:{lineno}: a line of more than {max_line / 2**20:g} MiB: no row of this "
                                  "project is that long (a damaged or wrong file?)")
-            if (row := _jsonl_row(path, lineno, raw, torn_tail_ok, json_kw)) is not None:
-                yield lineno, row
-
-
-def _jsonl_row(path: str, lineno: int, raw: bytes, torn_tail_ok: bool, json_kw: dict):
-    """One line of `read_jsonl` as an object; None for a blank line or an ignored torn tail."""
-    if not raw.strip():
-        return None
-    try:
-        # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
-        row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
-        json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-    except RecursionError:
-        raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-    except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
-        if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
-            return None
-        what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
-            f"not valid JSON ({getattr(e, 'msg', e)})"
-        if "int_max_str_digits" in str(e):
-            what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
-        raise InputError(f"{path}:{lineno}: {what}") from None
-    if not isinstance(row, dict):
-        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-    return row
+            if not raw.strip():
+                continue
+            try:
+                # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+                row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+            except RecursionError:
+                raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
+                if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
+                    continue
+                what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+                    f"not valid JSON ({getattr(e, 'msg', e)})"
+                if "int_max_str_digits" in str(e):
+                    what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
+                raise InputError(f"{path}:{lineno}: {what}") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
 
 
 # a problem's text field (the question, the answer) and its whole line: 1 MiB is
