@@ -12,8 +12,7 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
     Recovery@k (k = 1..5) = accuracy among samples whose first k code blocks all failed
 plus per-trajectory code lines, code blocks, tool calls, execution errors, model tokens,
 plan tokens and plan share, prose written after the plan, and finish reasons. When rows
-carry a subject (MATH's `subject`, GPQA's `High-level domain`) the accuracy is also split by
-subject. A multiple-choice benchmark (executor.multiple_choice_row) is graded by its letter.
+carry a subject (MATH's `subject`) the accuracy is also split by subject.
 
 Reads: a model (HF directory, .gguf, or a packaged name) and problems JSONL files
 ({"id", "problem", "answer"}; the file stem names the benchmark). Writes, in --out:
@@ -60,7 +59,6 @@ from collections import Counter, defaultdict
 import executor as ex
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
-SUBJECT_FIELDS = ("subject", "High-level domain")   # a row's subject, for the per-subject split
 
 # -----------------------------------------------------------------------------
 # Accuracy: avg@k, pass@k, maj@k
@@ -110,12 +108,6 @@ def mean_pass_at_k(records, k: int) -> float:
                  for rs in _group(records, "benchmark", "id").values())
 
 
-def _ballot(record):
-    """What a sample votes for: its pred; for a multiple-choice row the letter its pred names
-    (`executor.choice_letter`: `C` and `(C) 42 J` are one vote; None, no vote)."""
-    return ex.choice_letter(record["pred"], record["choices"]) if record.get("choices") else record["pred"]
-
-
 def majority_answer(records, equal=ex.grade):
     """The voted record of one problem. Records with a pred vote, grouped by the grader's
     equivalence: a pred joins the first group whose first pred it equals (the same string,
@@ -125,9 +117,8 @@ def majority_answer(records, equal=ex.grade):
     sample_idx. Returns the winning group's first record, or None if no record has an
     answer."""
     groups = []   # in first-vote order
-    for r in sorted((r for r in records if _ballot(r)), key=lambda r: r["sample_idx"]):
-        g = next((g for g in groups if _ballot(r) == _ballot(g[0])
-                  or not r.get("choices") and equal(r["pred"], g[0]["pred"])), [])
+    for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
+        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), [])
         if not g:
             groups.append(g)
         g.append(r)
@@ -138,7 +129,7 @@ def majority_answer(records, equal=ex.grade):
 def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
-    answer at all counts as wrong (a multiple-choice sample votes for its letter: `_ballot`)."""
+    answer at all counts as wrong."""
     voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
              for rs in _group(records, "benchmark", "id").values()]
     return _mean(v is not None and bool(v["correct"]) for v in voted)
@@ -282,8 +273,8 @@ def _accuracy(rs) -> dict:
 
 
 def _subject(record):
-    """A row's subject (MATH's `subject`, GPQA's `High-level domain`), or None."""
-    return next((record[f] for f in SUBJECT_FIELDS if isinstance(record.get(f), str)), None)
+    """A row's subject (MATH's `subject`), or None."""
+    return record["subject"] if isinstance(record.get("subject"), str) else None
 
 
 def _bench_metrics(rs) -> dict:
@@ -369,9 +360,8 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
                 want = getattr(t, "__name__", "str or null")
                 raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
-        choices = row.get("choices", [])   # (a multiple-choice row's options: letters are graded by them)
-        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-            raise ex.InputError(f"{path}:{lineno}: field 'choices' must be a list of option texts, got {choices!r}")
+        if "choices" in row:   # (a multiple-choice row of an older run: no longer graded by its letter)
+            raise ex.InputError(f"{path}:{lineno}: field 'choices': multiple-choice samples are not supported")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if seen.setdefault(key, lineno) != lineno:   # the line of the key's first row
             raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")

@@ -15,14 +15,11 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 Reading order: after this docstring (the sandbox's coverage below is for later), top down
 as the method runs. First the contract (the prompts, the token roles, `Sample`,
 `split_completion`: what a trajectory is), then `rollout` and its helpers in the order it
-calls them, then the KV cache and the batched forward, then sampling, then grading (multiple choice and the Math-Verify helper process
-can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the rest of the class can
-wait). Below the line marked "Internals" is what a reader of the method does not need: the
-grouped attention kernel, the sandbox's fork server and namespaces, model loading, files, progress bars
-and the command line.
-
-    python executor.py block.py          # run a file through the sandbox, print what a model sees
-    python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
+calls them, then the KV cache and the batched forward, then sampling, then grading (the
+Math-Verify helper process can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the
+rest of the class can wait). Below the line marked "Internals" is what a reader of the method
+does not need: the grouped attention kernel, the sandbox's fork server and namespaces, model
+loading, files and progress bars.
 
 Departures from the paper (it does not describe its executor):
   1. By default each block is a complete program run alone in a fresh process (no state
@@ -912,23 +909,18 @@ def extract_answer(text: str, prose_only: bool = True):
 
 
 def _box_at(text: str, j: int):
-    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
+    """(content, end) of the box whose command and blanks end at text[j]: content None if
+    unbalanced. A braced box ends at its brace group's closing brace; escaped braces (`\\{`,
+    `\\}`) do not count, as in TeX."""
     if j < len(text) and text[j] == "{":
-        content = _braced(text, j)
-        return content, j + len(content or "") + 2
+        depth = 0
+        for m in _BRACE_TOKEN.finditer(text, j):
+            depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+            if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+                return text[j + 1:m.start()], m.end()
+        return None, len(text)
     content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
     return content, j + len(content or "")
-
-
-def _braced(text: str, j: int):
-    """Content of the brace group opening at text[j] == '{', or None if unbalanced.
-    Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
-    depth = 0
-    for m in _BRACE_TOKEN.finditer(text, j):
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
-        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
-            return text[j + 1:m.start()]
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -1014,10 +1006,9 @@ def with_value_words(answer: str) -> str:
 # Grade
 # ---------------------------------------------------------------------------------------
 
-def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
+def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
-    then Math-Verify); for a multiple-choice row (`choices`, its option texts in letter
-    order) 1[pred and gold name the same letter] (`choice_letter`), never Math-Verify.
+    then Math-Verify).
 
     pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
     allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
@@ -1027,9 +1018,6 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
     pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
-    if choices is not None:
-        letter = choice_letter(pred, choices)
-        return letter is not None and letter == choice_letter(gold, choices)
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:
@@ -1043,85 +1031,10 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
 
 
 def correct(pred, problem: dict) -> bool:
-    """1[pred answers problem]: `grade` against its "answer", by letter when it has
-    "choices". The one verdict of every reward (grpo.py's, a `--reward` such as the
-    control's), of distillation's rule (i) and of evaluation (tests/faults.md A20)."""
-    return grade(pred, str(problem["answer"]), choices=problem.get("choices"))
-
-
-# ---------------------------------------------------------------------------------------
-# Multiple choice (the paper's out-of-domain check: GPQA-Diamond, four options)
-# ---------------------------------------------------------------------------------------
-
-LETTERS = "ABCDEFGHIJ"   # option labels: at most 10 options (MMLU-Pro has 10, GPQA 4)
-MC_INSTRUCTION = "Give the letter of the correct option as the final answer, e.g. \\boxed{A}."
-_LETTER = re.compile(r"\(?([A-J])\)?[.:]?")   # C, (C), C., C:
-_LABELLED = re.compile(r"\(([A-J])\)\s*(?!.*\([A-J]\))(.*)", re.S)   # (C) its text; not `(A) or (C)`
-
-
-def choice_order(pid: str, n: int) -> list[int]:
-    """The options' order in the prompt: a permutation of range(n) drawn from sha256 of the
-    problem id alone (not Python's salted hash()), so every policy, run and rank sees the
-    same letters. Option order[i] is shown as LETTERS[i]."""
-    order = list(range(n))
-    random.Random(int.from_bytes(hashlib.sha256(pid.encode()).digest()[:8], "big")).shuffle(order)
-    return order
-
-
-def multiple_choice_row(where: str, row: dict) -> None:
-    """Turn a multiple-choice problems line (its "id" already a string) into a free-text
-    prompt, in place: "problem" becomes the question, a blank line, one `(A) option` line
-    per option in `choice_order`, a blank line and MC_INSTRUCTION; "choices" the option texts
-    in letter order; "answer" the letter of the correct option. Two forms are read: GPQA's
-    (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
-    [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
-    InputError naming the field: a missing or blank question or option, a repeated option, a
-    letter that names no option, and a row with fields of both forms (GPQA's replaced its own
-    `choices` and `answer` without a word: tests/faults.md B45)."""
-    if "Correct Answer" in row and (mixed := [k for k in ("problem", "question", "choices", "answer") if k in row]):
-        raise InputError(f"{where}: fields {', '.join(map(repr, mixed))} beside GPQA's 'Correct Answer': give one "
-                         "form of multiple-choice row (GPQA's, or problem / choices / answer)")
-    if "Correct Answer" in row:
-        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
-        question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
-        gold = 0
-    else:
-        key = "problem" if "problem" in row else "question"
-        question = _problem_value(where, key, row.get(key), numbers_ok=False)
-        if not isinstance(row["choices"], list) or not 2 <= len(row["choices"]) <= len(LETTERS):
-            raise InputError(f"{where}: field 'choices' must be a list of 2 to {len(LETTERS)} options")
-        options = [_problem_value(where, f"choices[{i}]", c, numbers_ok=True) for i, c in enumerate(row["choices"])]
-        letter = _problem_value(where, "answer", row.get("answer"), numbers_ok=False)
-        gold = LETTERS.find(letter) if len(letter) == 1 else -1
-        if not 0 <= gold < len(options):
-            raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
-    first = {}
-    for i, option in enumerate(options):   # equal as choice_letter reads them: `paris` would name two letters (A21)
-        if (j := first.setdefault(_option_text(option), i)) != i:
-            raise InputError(f"{where}: options {options[j]!r} and {option!r} are the same answer to the grader "
-                             "(case, blanks, a final '.' and '$' aside): the letter it names would be ambiguous")
-    order = choice_order(row["id"], len(options))
-    row["choices"] = [options[i] for i in order]
-    lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
-    row.update(problem="\n".join([question, "", *lines, "", MC_INSTRUCTION]), answer=LETTERS[order.index(gold)])
-
-
-def choice_letter(answer, choices: list):
-    """The letter an answer names among `choices` (option texts in letter order), or None.
-    Read, in this order: a letter (`C`, `(C)`, `C.`, `c`, also inside `\\text{}`), the text of
-    exactly one option (blanks, case, a final `.` and `$` aside), a labelled answer (`(C) ...`,
-    whatever follows the label unless it holds a second label). Not read: two letters (`A, C`, `AC`,
-    `(A) or (C)`), a letter past the last option, any other text (tests/faults.md A16)."""
-    s = _option_text(_TEXT.sub(r"\1", str(answer))) if answer else ""
-    m = _LETTER.fullmatch(s.upper())
-    hits = [m[1]] if m else [x for x, c in zip(LETTERS, choices) if _option_text(c) == s]
-    if not hits and (m := _LABELLED.fullmatch(s.upper())):   # after the texts: an option may be `(A) ...`
-        hits = [m[1]]
-    return hits[0] if len(hits) == 1 and LETTERS.index(hits[0]) < len(choices) else None
-
-
-def _option_text(text: str) -> str:
-    return " ".join(text.split()).strip(" .$").lower()
+    """1[pred answers problem]: `grade` against its "answer". The one verdict of every
+    reward (grpo.py's, a `--reward` such as the control's), of distillation's rule (i) and
+    of evaluation."""
+    return grade(pred, str(problem["answer"]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -2188,7 +2101,6 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
             gives the exact pip command (tests/faults.md B32).
         ValueError: the assembled file's sha256 is wrong.
     """
-    import hashlib
     from importlib import metadata
 
     spec = PACKAGED_MODELS[name]
@@ -2490,34 +2402,28 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, max_line: int = LINE_MAX, 
             if len(raw) > max_line:
                 raise InputError(f"{path}:{lineno}: a line of more than {max_line / 2**20:g} MiB: no row of this "
                                  "project is that long (a damaged or wrong file?)")
-            if (row := _jsonl_row(path, lineno, raw, torn_tail_ok, json_kw)) is not None:
-                yield lineno, row
+            if not raw.strip():
+                continue
+            try:
+                # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+                row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+            except RecursionError:
+                raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
+                if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
+                    continue
+                what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+                    f"not valid JSON ({getattr(e, 'msg', e)})"
+                if "int_max_str_digits" in str(e):
+                    what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
+                raise InputError(f"{path}:{lineno}: {what}") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
 
 
-def _jsonl_row(path: str, lineno: int, raw: bytes, torn_tail_ok: bool, json_kw: dict):
-    """One line of `read_jsonl` as an object; None for a blank line or an ignored torn tail."""
-    if not raw.strip():
-        return None
-    try:
-        # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
-        row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
-        json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-    except RecursionError:
-        raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-    except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
-        if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
-            return None
-        what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
-            f"not valid JSON ({getattr(e, 'msg', e)})"
-        if "int_max_str_digits" in str(e):
-            what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
-        raise InputError(f"{path}:{lineno}: {what}") from None
-    if not isinstance(row, dict):
-        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-    return row
-
-
-# a problem's text field (the question, an option, the answer) and its whole line: 1 MiB is
+# a problem's text field (the question, the answer) and its whole line: 1 MiB is
 # about 250,000 tokens, past any --max-context these stages run at (tests/faults.md B44)
 FIELD_MAX, PROBLEM_LINE_MAX = 2**20, 4 * 2**20
 
@@ -2559,9 +2465,8 @@ def read_problems(path: str) -> list:
     worked `solution` (MATH) whose last \boxed{} is taken as the answer. The problem is a
     string, the answer a string or a number (read exactly, see `_problem_value`); both
     come back as stripped strings. The id is a string or an integer; a missing (or null)
-    id becomes "<file stem>-<line>". A multiple-choice line (with "choices", or GPQA's
-    "Correct Answer"; its id may be GPQA's "Record ID") becomes a prompt with lettered
-    options and a gold letter (`multiple_choice_row`). Ids must be unique: resume, pass
+    id becomes "<file stem>-<line>". A multiple-choice line (with "choices") is refused:
+    answers are graded as math, never as letters. Ids must be unique: resume, pass
     rates and --drop-solved key on them. Blank lines are skipped.
 
     Raises:
@@ -2576,13 +2481,12 @@ def read_problems(path: str) -> list:
     stem = os.path.splitext(os.path.basename(path))[0]
     for lineno, row in read_jsonl(path, max_line=PROBLEM_LINE_MAX, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
-        pid = row.get("id", row.get("Record ID"))   # (GPQA's rows name themselves "Record ID")
-        pid = f"{stem}-{lineno}" if pid is None else pid
+        pid = row["id"] if row.get("id") is not None else f"{stem}-{lineno}"
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")
         row["id"] = str(pid)
-        if "choices" in row or "Correct Answer" in row:   # before the fields: it writes "problem" and "answer"
-            multiple_choice_row(where, row)
+        if "choices" in row:
+            raise InputError(f"{where}: field 'choices': multiple-choice problems are not supported (give the answer)")
         # (MATH-style files have a worked `solution` whose final \boxed{} is the answer)
         for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
@@ -2774,7 +2678,7 @@ class RolloutProgress:
 
 
 # -----------------------------------------------------------------------------
-# Command line: the rules every stage shares, and this file's own (run files in the sandbox)
+# Command line: the rules every stage shares
 
 class InputError(ValueError):
     """Bad input from the user: a file, a flag, a run folder. `cli` prints it as one line
@@ -2891,35 +2795,3 @@ def command_line(*extra: str) -> str:
     launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
     return shlex.join(launch + [sys.argv[0], *argv, *extra])
 
-
-def main(argv=None):
-    p = ArgumentParser(description="Run Python files in the THINC sandbox; print what the model sees after each.")
-    p.add_argument("files", nargs="+", help="Python files, each run as one block")
-    p.add_argument("--stateful", action="store_true", help="the files are the blocks of one trajectory (Sandbox.run)")
-    p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
-    p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
-    p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
-    p.add_argument("--allow-uncontained", action="store_true",
-                   help="as root where namespaces are refused: run blocks uncontained (a warning), not fail")
-    args = p.parse_args(argv)
-    codes = []
-    for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
-        try:
-            with open(path, "rb") as f:
-                codes.append(f.read().decode("utf-8-sig"))  # a BOM, as python itself allows
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
-        if "\0" in codes[-1]:
-            raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
-    history = []
-    with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
-                 max_output_chars=args.max_output_chars, allow_uncontained=args.allow_uncontained) as sb:
-        for path, code in zip(args.files, codes):
-            r = sb.run(code, history=list(history) if args.stateful else None)
-            history.append({"code": code, "output": r.output, "status": r.status})
-            print(f"# {path}\n{r.output}" if len(args.files) > 1 else r.output)
-            print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(cli(main))

@@ -1272,55 +1272,6 @@ def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, s
         assert s.blocks[1]["status"] == "error" and "NameError" in s.blocks[1]["output"]
 
 
-# -----------------------------------------------------------------------------
-# python executor.py FILE ...: bad input as in every stage (tests/faults.md B6), and --stateful
-
-def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "executor.py"), *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.timeout(60)
-def test_cli_refuses_bad_files_and_flags_in_one_line(tmp_path):
-    good = tmp_path / "ok.py"
-    good.write_text("print('hi')\n")
-    (tmp_path / "bin.py").write_bytes(b"print(1)\x00\x01\x02")
-    (tmp_path / "latin1.py").write_bytes(b"print('caf\xe9')\n")
-    cases = [([str(tmp_path / "missing.py")], "missing.py"), ([str(tmp_path / "bin.py")], "binary"),
-             ([str(tmp_path / "latin1.py")], "UTF-8"), ([str(tmp_path)], "directory"),
-             (["--timeout", "0", str(good)], "--timeout"), (["--timeout", "-1", str(good)], "--timeout"),
-             (["--timeout", "nan", str(good)], "--timeout"), (["--memory-mb", "-5", str(good)], "--memory-mb"),
-             (["--max-output-chars", "-1", str(good)], "--max-output-chars")]
-    for args, says in cases:
-        p = _cli(*args)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and p.stdout == "", (args, p.stdout, p.stderr)
-        assert lines[-1].startswith("executor.py: error: ") and says in lines[-1], (args, p.stderr)
-        assert not any("Traceback" in line for line in lines), p.stderr
-
-
-@pytest.mark.timeout(60)
-def test_cli_prints_what_the_model_sees_with_and_without_output_cap(tmp_path):
-    f = tmp_path / "long.py"
-    f.write_text("print('x' * 3000)\n")
-    p = _cli("--max-output-chars", "0", str(f))
-    assert (p.returncode, p.stdout) == (0, "x" * 3000 + "\n\n")
-    p = _cli("--max-output-chars", "100", str(f))
-    assert p.stdout == "x" * 50 + "\n... [2901 bytes of output cut] ...\n" + "x" * 49 + "\n\n"
-
-
-@pytest.mark.timeout(60)
-def test_cli_stateful_runs_files_as_one_trajectory(tmp_path):
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("x = 20\nprint('a ran')\n")
-    b.write_text("print(x + 1)\n")
-    p = _cli("--stateful", str(a), str(b))
-    assert p.returncode == 0, p.stderr
-    assert p.stdout == f"# {a}\na ran\n\n# {b}\n21\n\n"
-    p = _cli(str(a), str(b))
-    assert f"# {b}\n" in p.stdout and "NameError: name 'x' is not defined" in p.stdout
-
-
 def test_a_closed_sandbox_refuses_blocks_and_leaks_no_descriptor():
     sb = Sandbox(workers=1, timeout=5)
     assert sb.run("print(1)").output == "1\n"
