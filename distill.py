@@ -42,7 +42,7 @@ from datetime import timedelta
 from statistics import fmean
 
 import executor as ex
-from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, weights_gib
+from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, start_run, weights_gib
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RULES = ("incorrect", "exec_error", "few_blocks", "long_plan", "unfinished")
@@ -237,9 +237,7 @@ def main(argv=None):
             print(f"[rank {rank}] skipped {len(prompt_ids) - len(mine)} problems whose prompt leaves no room "
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
     if rank == 0:  # after the last check (the prompts' lengths): nothing is written before it
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        ex.lock_run(out)
-        ex.write_json_atomic(args_path, {"stage": "distill", **vars(args)})
+        start_run(args_path, "distill", args, lock=out)
     workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
     with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:

@@ -12,8 +12,7 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
     Recovery@k (k = 1..5) = accuracy among samples whose first k code blocks all failed
 plus per-trajectory code lines, code blocks, tool calls, execution errors, model tokens,
 plan tokens and plan share, prose written after the plan, and finish reasons. When rows
-carry a subject (MATH's `subject`, GPQA's `High-level domain`) the accuracy is also split by
-subject. A multiple-choice benchmark (executor.multiple_choice_row) is graded by its letter.
+carry a subject (MATH's `subject`) the accuracy is also split by subject.
 
 Reads: a model (HF directory, .gguf, or a packaged name) and problems JSONL files
 ({"id", "problem", "answer"}; the file stem names the benchmark). Writes, in --out:
@@ -60,7 +59,6 @@ from collections import Counter, defaultdict
 import executor as ex
 
 RECOVERY_KS = (1, 2, 3, 4, 5)
-SUBJECT_FIELDS = ("subject", "High-level domain")   # a row's subject, for the per-subject split
 
 # -----------------------------------------------------------------------------
 # Accuracy: avg@k, pass@k, maj@k
@@ -110,12 +108,6 @@ def mean_pass_at_k(records, k: int) -> float:
                  for rs in _group(records, "benchmark", "id").values())
 
 
-def _ballot(record):
-    """What a sample votes for: its pred; for a multiple-choice row the letter its pred names
-    (`executor.choice_letter`: `C` and `(C) 42 J` are one vote; None, no vote)."""
-    return ex.choice_letter(record["pred"], record["choices"]) if record.get("choices") else record["pred"]
-
-
 def majority_answer(records, equal=ex.grade):
     """The voted record of one problem. Records with a pred vote, grouped by the grader's
     equivalence: a pred joins the first group whose first pred it equals (the same string,
@@ -125,9 +117,8 @@ def majority_answer(records, equal=ex.grade):
     sample_idx. Returns the winning group's first record, or None if no record has an
     answer."""
     groups = []   # in first-vote order
-    for r in sorted((r for r in records if _ballot(r)), key=lambda r: r["sample_idx"]):
-        g = next((g for g in groups if _ballot(r) == _ballot(g[0])
-                  or not r.get("choices") and equal(r["pred"], g[0]["pred"])), [])
+    for r in sorted((r for r in records if r["pred"]), key=lambda r: r["sample_idx"]):
+        g = next((g for g in groups if r["pred"] == g[0]["pred"] or equal(r["pred"], g[0]["pred"])), [])
         if not g:
             groups.append(g)
         g.append(r)
@@ -138,7 +129,7 @@ def majority_answer(records, equal=ex.grade):
 def maj_at_k(records, k: int | None = None, equal=ex.grade) -> float:
     """maj@k: share of problems whose majority answer (majority_answer over the samples
     with sample_idx < k; all samples when k is None) is correct. A problem with no
-    answer at all counts as wrong (a multiple-choice sample votes for its letter: `_ballot`)."""
+    answer at all counts as wrong."""
     voted = [majority_answer([r for r in rs if k is None or r["sample_idx"] < k], equal)
              for rs in _group(records, "benchmark", "id").values()]
     return _mean(v is not None and bool(v["correct"]) for v in voted)
@@ -282,8 +273,8 @@ def _accuracy(rs) -> dict:
 
 
 def _subject(record):
-    """A row's subject (MATH's `subject`, GPQA's `High-level domain`), or None."""
-    return next((record[f] for f in SUBJECT_FIELDS if isinstance(record.get(f), str)), None)
+    """A row's subject (MATH's `subject`), or None."""
+    return record["subject"] if isinstance(record.get("subject"), str) else None
 
 
 def _bench_metrics(rs) -> dict:
@@ -325,11 +316,10 @@ def markdown_table(metrics: dict) -> str:
                  "grounded", *(f"R@{j} (n)" for j in RECOVERY_KS), "stop / length / tool_budget"),
             "|---" * (9 + len(RECOVERY_KS)) + "|"]
     for bench, m in metrics.items():
-        top = max(m["pass_at_k"], key=int)
-        acc.append(_row(bench, m["n_problems"], m["k"], f"{_pct(m['avg_at_k'])} ± {_pct(m['avg_at_k_std'])}",
-                        _pct(m["maj_at_k"]), f"{_pct(m['pass_at_k'][top])} (k={top})"))
-        acc += [_row(f"{bench}: {s}", a["n_problems"], a["k"], f"{_pct(a['avg_at_k'])} ± {_pct(a['avg_at_k_std'])}",
-                     _pct(a["maj_at_k"]), f"{_pct(a['best_at_k'])} (k={a['k']})") for s, a in m["by_subject"].items()]
+        # the benchmark's row (its best@k is its pass@k at its largest k), then one a subject
+        for name, a in [(bench, m), *((f"{bench}: {s}", a) for s, a in m["by_subject"].items())]:
+            acc.append(_row(name, a["n_problems"], a["k"], f"{_pct(a['avg_at_k'])} ± {_pct(a['avg_at_k_std'])}",
+                            _pct(a["maj_at_k"]), f"{_pct(a['best_at_k'])} (k={a['k']})"))
         rec = [f"{_pct(r['value'])} ({r['count']})" for r in (m["recovery"][str(j)] for j in RECOVERY_KS)]
         ends = " / ".join(_pct(m["finish_reasons"].get(x, 0.0)) for x in ("stop", "length", "tool_budget"))
         diag.append(_row(bench, _num(m["tool_calls"]), _num(m["code_lines"]), _num(m["exec_errors"]),
@@ -370,9 +360,8 @@ def load_samples(path: str, torn_tail_ok: bool = False) -> list:
             if not isinstance(row[k], t) or t is int and isinstance(row[k], bool):
                 want = getattr(t, "__name__", "str or null")
                 raise ex.InputError(f"{path}:{lineno}: field '{k}' must be {want}, got {row[k]!r}")
-        choices = row.get("choices", [])   # (a multiple-choice row's options: letters are graded by them)
-        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-            raise ex.InputError(f"{path}:{lineno}: field 'choices' must be a list of option texts, got {choices!r}")
+        if "choices" in row:   # (a multiple-choice row of an older run: no longer graded by its letter)
+            raise ex.InputError(f"{path}:{lineno}: field 'choices': multiple-choice samples are not supported")
         key = (row["benchmark"], row["id"], row["sample_idx"])
         if seen.setdefault(key, lineno) != lineno:   # the line of the key's first row
             raise ex.InputError(f"{path}:{lineno}: duplicate of line {seen[key]} (benchmark, id, sample_idx) = {key}")
@@ -453,12 +442,11 @@ def parse_args(argv=None):
                    help="grade DIR/samples.jsonl again (rewritten if a verdict changed), recompute every metric "
                         "(no model)")
     p.add_argument("--show", type=ex.nonneg_int, default=0, metavar="N", help="then print N trajectories; 0 = none")
-    p.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw PNGs instead: GRPO curves, eval diagnostics")
     args = p.parse_args(argv)
-    # --plot reads only its folders, --from-samples only DIR (and --show): any other flag would be ignored
-    used = ("plot",) if args.plot else ("from_samples", "show") if args.from_samples is not None else tuple(vars(args))
-    if ignored := [a for a, v in vars(args).items() if a not in used and v != p.get_default(a)]:
-        p.error(f"--{ignored[0].replace('_', '-')} has no effect with --{used[0].replace('_', '-')}")
+    # --from-samples reads only DIR (and --show): any other flag would be ignored
+    ignored = [a for a, v in vars(args).items() if a not in ("from_samples", "show") and v != p.get_default(a)]
+    if args.from_samples is not None and ignored:
+        p.error(f"--{ignored[0].replace('_', '-')} has no effect with --from-samples")
     return args
 
 
@@ -573,100 +561,6 @@ def write_report(out_dir: str, args_dict: dict) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Reading a run: curves and diagnostics as pictures (--show prints trajectories: main)
-
-
-def _pyplot():
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ex.InputError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
-    plt.switch_backend("Agg")  # files only, no display
-    plt.rcParams.update({"axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8})
-    return plt
-
-
-def plot_training_curves(rows):
-    """Training curves like the paper's Fig. 3 from metrics.jsonl rows (grpo.py), one panel
-    each per step: reward and accuracy; model tokens per sample (response length); tool
-    calls and execution errors per sample; share of groups with zero reward variance.
-    Returns the figure."""
-    steps = [m["step"] for m in rows]
-    share = (-0.05, 1.05)   # the y range of a share or an accuracy; None: matplotlib's
-    panels = [("reward / accuracy", share, {"reward mean": "reward_mean", "accuracy": "accuracy"}),
-              ("model tokens per sample", None, {"model tokens": "model_tokens_per_sample"}),
-              ("tool calls per sample", None, {"tool calls": "tool_calls_per_sample",
-                                               "execution errors": "exec_errors_per_sample"}),
-              ("zero-variance groups (no signal)", share, {"share of groups": "zero_var_share"})]
-    fig, axes = _pyplot().subplots(1, 4, figsize=(14, 3.2))
-    for ax, (name, ylim, series) in zip(axes, panels):
-        for j, (label, key) in enumerate(series.items()):  # the second dashed: reward = accuracy by default
-            ax.plot(steps, [m[key] for m in rows], marker="o", linestyle="-" if j == 0 else "--", label=label)
-        ax.set(title=name, xlabel="GRPO step", ylim=ylim, **({"xticks": steps} if len(steps) <= 10 else {}))
-        if len(series) > 1:
-            ax.legend()
-    return fig
-
-
-def plot_diagnostics(records):
-    """The THINC diagnostics like the paper's Figs. 4-5 from samples.jsonl rows, per
-    benchmark: the distribution of code lines per trajectory, Recovery@k (k = 1..5;
-    accuracy after k failed first blocks, with the count of such samples) and the
-    code-grounded rate (share of answers that appear in an execution output). Returns the
-    figure."""
-    metrics = summarize(records)
-    fig, (a, b, c) = _pyplot().subplots(1, 3, figsize=(14, 3.4))
-    width = 0.8 / len(metrics)
-    for i, (bench, m) in enumerate(metrics.items()):
-        lines = [code_lines(r) for r in records if r["benchmark"] == bench]
-        a.hist(lines, bins=range(0, max(lines) + 2, max(1, (max(lines) + 1) // 20)), histtype="step",
-               linewidth=1.5, label=f"{bench} (mean {m['code_lines']:.1f})")
-        rec = [m["recovery"][str(k)] for k in RECOVERY_KS]
-        xs = [k + (i - (len(metrics) - 1) / 2) * width for k in RECOVERY_KS]
-        bars = b.bar(xs, [100 * (r["value"] or 0) for r in rec], width, label=bench)
-        b.bar_label(bars, [f"n={r['count']}" for r in rec], fontsize=7)
-        bar = c.bar(i, 100 * (m["code_grounded"]["rate"] or 0), 0.6)
-        c.bar_label(bar, [f"{m['code_grounded']['count']} answered"], fontsize=8)
-    if not any(r["count"] for m in metrics.values() for r in m["recovery"].values()):
-        b.text(0.5, 0.5, "no sample's first block failed", transform=b.transAxes, ha="center")
-    a.set(title="code lines per trajectory", xlabel="non-empty code lines", ylabel="trajectories")
-    b.set(title="Recovery@k: accuracy after k failed first blocks", xlabel="k", ylabel="% correct",
-          xticks=list(RECOVERY_KS), ylim=(0, 110))
-    c.set(title="code-grounded answers", ylabel="% of answered", xticks=range(len(metrics)),
-          xticklabels=list(metrics), xlim=(-1, len(metrics)), ylim=(0, 110))
-    a.legend()
-    b.legend()
-    return fig
-
-
-def plot_run(run_dir: str) -> list:
-    """The PNGs for one run folder: training_curves.png from metrics.jsonl (a grpo.py run)
-    and diagnostics.png from samples.jsonl (an evaluation), whichever it holds. Returns
-    [(path, figure)], written by the caller once every folder has been read (tests/faults.md
-    B26). Raises InputError when it holds neither or matplotlib is missing."""
-    written = []
-    for name, read, unit, png, plot, what in (
-            ("metrics.jsonl", ex.read_jsonl_tolerant, "steps", "training_curves.png", plot_training_curves,
-             "GRPO training"),
-            ("samples.jsonl", load_samples, "samples", "diagnostics.png", plot_diagnostics, "THINC diagnostics")):
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path):
-            rows = read(path)
-            if not rows:
-                raise ex.InputError(f"{path}: no {unit}")
-            try:
-                fig = plot(rows)
-            except KeyError as e:  # (samples.jsonl is checked by load_samples; metrics.jsonl is a grpo log)
-                raise ex.InputError(f"{path}: a row without the field {e} (not a grpo.py metrics log?)") from None
-            fig.suptitle(f"{what}, {run_dir} ({len(rows)} {unit})", fontsize=11)
-            fig.tight_layout()
-            written.append((os.path.join(run_dir, png), fig))
-    if not written:
-        raise ex.InputError(f"{run_dir}: neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)")
-    return written
-
-
-# -----------------------------------------------------------------------------
 # Evaluation run
 
 
@@ -759,17 +653,12 @@ def run(args) -> None:
 def main(argv=None) -> None:
     """The command line (exit status, one-line errors and Ctrl-C: `executor.cli`)."""
     args = parse_args(argv)
-    if args.plot:
-        for path, fig in [pair for run_dir in args.plot for pair in plot_run(run_dir)]:
-            fig.savefig(path, dpi=80)
-            _pyplot().close(fig)
-            print(f"wrote {path}")
-    elif args.from_samples is not None:
+    if args.from_samples is not None:
         regrade(os.path.join(args.from_samples, "samples.jsonl"))
         write_report(args.from_samples, {"from_samples": args.from_samples})
     else:
         run(args)
-    if args.show and not args.plot:   # the first N samples, readably
+    if args.show:   # the first N samples, readably
         for row in load_samples(os.path.join(args.from_samples or args.out, "samples.jsonl"))[:args.show]:
             print(ex.format_trajectory(row) + "\n", flush=True)
 

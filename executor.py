@@ -15,14 +15,11 @@ Reads: a model directory (or .gguf file) and problems. Writes: trajectories in m
 Reading order: after this docstring (the sandbox's coverage below is for later), top down
 as the method runs. First the contract (the prompts, the token roles, `Sample`,
 `split_completion`: what a trajectory is), then `rollout` and its helpers in the order it
-calls them, then sampling, then grading (multiple choice and the Math-Verify helper process
-can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the rest of the class can
-wait). Below the line marked "Internals" is what a reader of the method does not need: the
-KV-cache slab, the sandbox's fork server and namespaces, model loading, files, progress bars
-and the command line.
-
-    python executor.py block.py          # run a file through the sandbox, print what a model sees
-    python executor.py --stateful a.py b.py   # files as the successive blocks of one trajectory
+calls them, then the KV cache and the batched forward, then sampling, then grading (the
+Math-Verify helper process can wait), then `Sandbox.run` (a block in, an `ExecResult` out; the
+rest of the class can wait). Below the line marked "Internals" is what a reader of the method
+does not need: the grouped attention kernel, the sandbox's fork server and namespaces, model
+loading, files and progress bars.
 
 Departures from the paper (it does not describe its executor):
   1. By default each block is a complete program run alone in a fresh process (no state
@@ -60,8 +57,9 @@ Departures from the paper (it does not describe its executor):
          files, nor a bind mount of them elsewhere); keep them outside; flock and inotify
          on those shared files, and
          nobody's per-user limits (inotify instances), shared by concurrent blocks (a
-         channel between them); mounts below a bound folder show as empty
-         folders; the descriptions (not the contents) of the caller's keys in /proc/keys;
+         channel between them); mounts below a bound folder that are not themselves
+         one of those folders show as empty folders; the descriptions (not the
+         contents) of the caller's keys in /proc/keys;
          CPU time of a block's processes together (RLIMIT_CPU is per process);
        - with a cgroup on a host whose kernel does not account swap (or refuses the swap
          limit): pages a block's memory limit pushes out to swap;
@@ -363,6 +361,16 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
     the sandbox and feeds nothing until the output is back; the other rows decode on (and
     free places are refilled) meanwhile. The batch stalls only when every row waits on a block.
 
+    Phases, each named by a comment in the code: PREFILL the prefix every prompt shares (the
+    system prompt; distillation's few-shot turns) once, into every place of the batch; then,
+    until every sample is done: PLACE the next samples in the free places; SHRINK the batch to
+    its busy rows once nothing is left to place; append the OUTPUTS of the blocks that have
+    finished (waiting only when every row waits on one); FORWARD one ragged chunk (a prompt's
+    rest, the last sampled token, or the fence and output block after a run); SHARE a prompt's
+    KV rows and first logits with its samples placed on another's row; SAMPLE a token for every
+    row fed or placed, applying the stop rules (a closed block goes to the sandbox); RETIRE the
+    finished rows (each reported at once, its place freed).
+
     Args:
         prompts: list of non-empty prompt id lists (from `build_prompt_ids`), ragged. The
             prefix they all share is prefilled once (`shared_prefix_len`) and kept by every row.
@@ -407,9 +415,7 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         return []
     if not all(prompts):  # a chat template always gives tokens; a caller's own list may not
         raise ValueError("rollout: every prompt needs at least one token")
-    device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = [_Row(p, max_context) for p in prompts for _ in range(n)]
     # sample i draws from its own generator: its tokens depend on its seed and its own logits,
     # never on when other rows pause for their blocks or which row's place it takes
@@ -423,63 +429,41 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
         progress(0, rows[i])
         on_sample(i, rows[i])
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers)
-    with pool, torch.inference_mode():
-        # 1) prefill the prefix every prompt shares (the system prompt; distillation's few-shot
-        #    turns) once; every place in the batch starts from it
+    with concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.workers) as pool, torch.inference_mode():
+        # PREFILL the prefix every prompt shares once; every place in the batch starts from it
         cache = _kv_cache(model, max_context)
         shared = shared_prefix_len(prompts)
-        mask = torch.zeros((1, 0), dtype=torch.long, device=device)  # (1, 0)
+        mask = torch.zeros((1, 0), dtype=torch.long, device=next(model.parameters()).device)  # (1, 0)
         if shared:
-            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], pad_id)
+            _, mask = _forward_chunk(model, cache, mask, [list(prompts[0][:shared])], tokenizer.pad_token_id or 0)
         slots = [None] * min(max_num_seqs or len(rows), len(rows))  # batch row -> sample index; None: free
         cache.batch_repeat_interleave(len(slots))
         mask = mask.repeat_interleave(len(slots), 0)  # (B, S)
-        need = []  # need[b]: batch row b samples from logits[b] (it was fed something)
         nxt = 0  # the next sample to place
         src = None  # (prompt, batch row) of the sample placed last: its siblings reuse that row's KV rows
-        placed = []  # (batch row, batch row to copy from, prompt) of each sample placed this round
         prompt_logits = {}  # prompt -> (V,) logits after its last token: every sample's first draw
 
-        while True:
-            # 2) sample for every row that was fed something, and check its stops; a row
-            #    that closed a block sends it to the sandbox now and decodes on when it is back
-            if idx := [b for b, w in enumerate(need) if w]:
-                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
-                progress(len(idx), None)
-                for b, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
-                    r = rows[slots[b]]
-                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
-                    if r.finish is None and r.code is not None:
-                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
-            # 3) finished rows are reported and free their place
-            for b, i in enumerate(slots):
-                if i is not None and rows[i].finish is not None:
-                    finished(i)
-                    slots[b] = None
-            # 4) the next samples take the free places. A sample of the prompt placed last reuses
-            #    that row's KV rows and the prompt's logits (after the forward, step 7), in the
-            #    same place if it is free; any other keeps the shared prefix and prefills the rest
-            free = [b for b, i in enumerate(slots) if i is None]
-            while free and nxt < len(rows):
+        while nxt < len(rows) or any(i is not None for i in slots):
+            # PLACE the next samples in the free places: a sibling of the sample placed last
+            # takes that row's place if free, else the first free one
+            placed = []  # (batch row, batch row to copy from, prompt) of each sample placed now
+            while None in slots and nxt < len(rows):
                 i, nxt = nxt, nxt + 1
                 if rows[i].finish is not None:  # no room for a token: never fed
                     finished(i)
                     continue
                 sibling = src is not None and src[0] == i // n
-                b = src[1] if sibling and src[1] in free else free[0]
+                b = src[1] if sibling and slots[src[1]] is None else slots.index(None)
                 mask[b] *= (mask[b].cumsum(0) <= shared) | sibling  # a new prompt keeps the shared prefix only
                 placed.append((b, src[1] if sibling else b, i // n))
-                free.remove(b)
                 slots[b], src = i, (i // n, b)
-            if nxt == len(rows) and free and not placed:  # nothing left to place: the batch shrinks
+            # SHRINK the batch to its busy rows once nothing is left to place
+            if nxt == len(rows) and None in slots and not placed:
                 keep = [b for b, i in enumerate(slots) if i is not None]
-                if not keep:
-                    break
-                cache.batch_select_indices(torch.tensor(keep, device=device))
+                cache.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=mask.device))
                 mask, slots = mask[keep], [slots[b] for b in keep]
-            # 5) append the output of every block that has finished; if no row has anything
-            #    else to do, wait for the first one
+            # OUTPUTS: append those of the blocks that have finished; wait for the first one
+            # if no row has anything else to do
             running = [rows[i] for i in slots if i is not None and rows[i].running is not None]
             if running and len(running) == len(slots) - slots.count(None):
                 t0 = time.perf_counter()
@@ -489,31 +473,40 @@ def rollout(model, tokenizer, prompts, sandbox, *, n: int = 1, temperature: floa
             for r in running:
                 if r.running.done():
                     r.finish = _append_output(r, r.running.result(), tokenizer, max_context)
-            # each row feeds what the cache lacks (it holds its first `held` ids): its prompt past
-            # the shared prefix, its last sampled token, or the fence and the output block after
-            # a run; a row whose block runs, or that takes another row's KV rows, feeds nothing
-            # (in its sibling's own place, it holds more than its prompt already)
+            # FORWARD what each row's cache lacks (it holds the row's first `held` ids), after
+            # dropping the positions no row attends to if the cache would pass max_context or
+            # 5/4 of its longest row (each drop copies the cache once: rare, never a 2x peak)
             copied = {dst for dst, b, _ in placed if b != dst}
             feeds = [[] if i is None or b in copied or rows[i].running is not None or rows[i].finish is not None
                      else rows[i].ids[held:] for b, (i, held) in enumerate(zip(slots, mask.sum(dim=1).tolist()))]
-            # 6) one forward over the ragged chunk (a token, a prompt, or an output block), after
-            #    dropping the positions no row attends to if the cache would pass max_context or
-            #    5/4 of its longest row (each drop copies the cache once: rare, and never a 2x peak)
             if any(feeds):
                 width, real = mask.shape[1] + max(map(len, feeds)), int(mask.sum(dim=1).max())
                 if real < mask.shape[1] and width > min(max_context, real + real // 4):
                     mask = _compact(cache, mask)
-                logits, mask = _forward_chunk(model, cache, mask, feeds, pad_id)  # (B, V), (B, S + L)
-            # 7) a sample placed on another's prompt copies its KV rows (a no-op in its own place)
-            #    and its mask up to the prompt's end, and samples its first token from the logits
-            #    the prompt's first sample got from its prefill (kept while the prompt has samples)
+                # (B, V), (B, S + L)
+                logits, mask = _forward_chunk(model, cache, mask, feeds, tokenizer.pad_token_id or 0)
+            # SHARE: a sample placed on a sibling's row copies its KV rows (a no-op in its own
+            # place) and mask up to the prompt's end, and the logits the prompt's prefill gave
             for dst, b, p in placed:
                 for layer in [x for x in cache.layers if x.is_initialized]:
                     layer.keys[dst], layer.values[dst] = layer.keys[b], layer.values[b]
                 mask[dst] = mask[b] * (mask[b].cumsum(0) <= len(prompts[p]))
                 logits[dst] = prompt_logits.setdefault(p, logits[dst].clone())
-            need = [len(f) > 0 or b in {p[0] for p in placed} for b, f in enumerate(feeds)]
-            placed, prompt_logits = [], {p: v for p, v in prompt_logits.items() if p == src[0]}
+            prompt_logits = {p: v for p, v in prompt_logits.items() if p == src[0]}  # kept while it has samples
+            # SAMPLE for every row fed or placed, and apply the stop rules; a closed block goes
+            # to the sandbox now
+            if idx := [b for b, f in enumerate(feeds) if f or b in {p[0] for p in placed}]:
+                tokens, logps = sample_next_token(logits[idx], [gens[slots[b]] for b in idx], temperature, top_p, top_k)
+                progress(len(idx), None)
+                for r, t, lp in zip([rows[slots[b]] for b in idx], tokens.tolist(), logps.tolist()):
+                    r.finish = _accept_token(r, t, lp, stops, tokenizer, max_context, max_new_tokens, max_tool_calls)
+                    if r.finish is None and r.code is not None:
+                        r.running = pool.submit(sandbox.run, r.code, list(r.blocks) if stateful else None)
+            # RETIRE finished rows: reported at once, their places free
+            for b, i in enumerate(slots):
+                if i is not None and rows[i].finish is not None:
+                    finished(i)
+                    slots[b] = None
     if own_bar:
         progress.close()
     return rows
@@ -632,9 +625,8 @@ def _append_output(r, res, tokenizer, max_context):
     decode to, which is what the model sees: a normalising tokenizer (NFC: the Ohm sign
     U+2126 becomes U+03A9) cannot show the printed text, so the record says what it showed,
     and the completion, the block's output and SFT's ids agree (tests/faults.md G15)."""
-    lead = "" if r.text.endswith("\n") else "\n"
     shown = decode_text(tokenizer, encode_text(tokenizer, res.output))
-    chunk = encode_text(tokenizer, output_block(shown, lead))
+    chunk = encode_text(tokenizer, output_block(shown, "" if r.text.endswith("\n") else "\n"))
     if len(r.ids) + len(chunk) >= max_context:
         return "length"
     r.blocks.append({"code": r.code, "output": shown, "status": res.status})
@@ -660,6 +652,100 @@ def _to_sample(r, tokenizer, stops, seed) -> "Sample":
     return Sample(prompt_ids=r.ids[:r.prompt_len], ids=r.ids, roles=roles, logprobs=r.logprobs,
                   text=text, blocks=r.blocks, finish_reason=r.finish, pred=extract_answer(r.text),
                   seed=seed, plan_text=plan, plan_tokens=plan_tokens, final_text=r.text)
+
+
+# -----------------------------------------------------------------------------
+# KV cache: the slab and the engine's batched forward
+
+def _kv_cache(model, max_len: int | None = None):
+    """A transformers DynamicCache whose full-attention layers (sliding-window ones keep
+    their own class) are `SlabLayer`s: (B, H_kv, S, D) keys and values in a preallocated slab
+    of capacity >= S that grows by 25% (at least 256 positions, at most `max_len`) when full;
+    `keys` and `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
+    batch_repeat_interleave and batch_select_indices work on those views; a view that no
+    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
+
+    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
+    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
+    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
+    Unlike a static cache the length is not fixed in advance (a rollout's final length is
+    unknown) and attention reads only the filled part. The spare capacity is at most 25%
+    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        k_slab = v_slab = None  # (B, H_kv, capacity, D), once written
+
+        def update(self, new_k, new_v, *args, **kwargs):  # (B, H_kv, L, D) each: the positions written now
+            if not self.is_initialized:
+                self.lazy_initialization(new_k, new_v)
+                self.keys, self.values = new_k[:, :, :0], new_v[:, :, :0]
+            n, end = self.keys.shape[-2], self.keys.shape[-2] + new_k.shape[-2]  # positions: held, after the write
+            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
+            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
+                capacity = max(end, min(max(end + 256, end * 5 // 4), max_len or math.inf))
+                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3])) for t in (new_k, new_v))
+                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
+            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = new_k, new_v
+            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [SlabLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
+# block) is cut into forwards of this many columns, so that its transient, which grows with
+# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
+FEED_CHUNK = 256
+
+
+def _forward_chunk(model, cache, past_mask, feeds, pad_id):
+    """Append one ragged chunk per row to the KV cache and return the last logits.
+
+    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
+        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
+        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
+        through `_grouped_attention` (no copy of the KV heads; tests/faults.md G23).
+    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
+    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
+    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
+    transformers from the cache length, aligned bottom-right (G8).
+    """
+    import torch
+    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
+        cut = slice(max(end - FEED_CHUNK, 0), end)
+        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
+        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
+        with _grouped_attention(model, end - cut.start):
+            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :], past_mask
+
+
+def _pad_left(seqs, pad_id, device):
+    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+    return ids, torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+
+
+def _compact(cache, mask):
+    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
+    in order) move to the right end of the S' = max row sum positions kept, in place (the
+    slab stays; attention does not depend on where a key sits, its rotary position is in it).
+    mask: (B, S) 0/1. Returns the (B, S') mask."""
+    keep = int(mask.sum(dim=1).max())
+    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
+    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
+        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
+            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+    return mask.gather(1, idx)
 
 
 # -----------------------------------------------------------------------------
@@ -692,8 +778,7 @@ def sample_next_token(logits, generator, temperature: float = 1.0, top_p: float 
     import torch
     logits = logits.float()
     check_finite_logits(torch.logsumexp(logits, dim=-1), "sample_next_token")
-    scaled = logits / temperature if temperature > 0 else logits  # (B, V)
-    kept = top_k_top_p(scaled, top_p, top_k) if temperature > 0 else scaled  # (B, V), -inf outside
+    kept = top_k_top_p(logits / temperature, top_p, top_k) if temperature > 0 else logits  # (B, V), -inf outside
     logp = torch.log_softmax(kept, dim=-1)  # (B, V): the distribution drawn from
     if temperature <= 0:
         tokens = torch.argmax(logits, dim=-1)  # (B,)
@@ -824,23 +909,18 @@ def extract_answer(text: str, prose_only: bool = True):
 
 
 def _box_at(text: str, j: int):
-    """(content, end) of the box whose command and blanks end at text[j]: content None if unbalanced."""
+    """(content, end) of the box whose command and blanks end at text[j]: content None if
+    unbalanced. A braced box ends at its brace group's closing brace; escaped braces (`\\{`,
+    `\\}`) do not count, as in TeX."""
     if j < len(text) and text[j] == "{":
-        content = _braced(text, j)
-        return content, j + len(content or "") + 2
+        depth = 0
+        for m in _BRACE_TOKEN.finditer(text, j):
+            depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
+            if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
+                return text[j + 1:m.start()], m.end()
+        return None, len(text)
     content = m.group().rstrip(".,") if (m := _SPACE_FORM.match(text, j)) else None
     return content, j + len(content or "")
-
-
-def _braced(text: str, j: int):
-    """Content of the brace group opening at text[j] == '{', or None if unbalanced.
-    Escaped braces (`\\{`, `\\}`) do not count, as in TeX."""
-    depth = 0
-    for m in _BRACE_TOKEN.finditer(text, j):
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # (an escaped character: 0)
-        if depth == 0:  # (only after a closing brace: it is >= 1 from the first token on)
-            return text[j + 1:m.start()]
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -926,10 +1006,9 @@ def with_value_words(answer: str) -> str:
 # Grade
 # ---------------------------------------------------------------------------------------
 
-def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
+def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
-    then Math-Verify); for a multiple-choice row (`choices`, its option texts in letter
-    order) 1[pred and gold name the same letter] (`choice_letter`), never Math-Verify.
+    then Math-Verify).
 
     pred: an extracted answer or None; gold: the reference answer string. timeout: seconds
     allowed for a Math-Verify comparison (rule 3), not counting the helper's start-up or
@@ -939,9 +1018,6 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
     pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
-    if choices is not None:
-        letter = choice_letter(pred, choices)
-        return letter is not None and letter == choice_letter(gold, choices)
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     if isinstance(g, Fraction) and g.denominator == 1:
@@ -955,85 +1031,10 @@ def grade(pred, gold: str, timeout: float = 1.0, choices=None) -> bool:
 
 
 def correct(pred, problem: dict) -> bool:
-    """1[pred answers problem]: `grade` against its "answer", by letter when it has
-    "choices". The one verdict of every reward (grpo.py's, a `--reward` such as the
-    control's), of distillation's rule (i) and of evaluation (tests/faults.md A20)."""
-    return grade(pred, str(problem["answer"]), choices=problem.get("choices"))
-
-
-# ---------------------------------------------------------------------------------------
-# Multiple choice (the paper's out-of-domain check: GPQA-Diamond, four options)
-# ---------------------------------------------------------------------------------------
-
-LETTERS = "ABCDEFGHIJ"   # option labels: at most 10 options (MMLU-Pro has 10, GPQA 4)
-MC_INSTRUCTION = "Give the letter of the correct option as the final answer, e.g. \\boxed{A}."
-_LETTER = re.compile(r"\(?([A-J])\)?[.:]?")   # C, (C), C., C:
-_LABELLED = re.compile(r"\(([A-J])\)\s*(?!.*\([A-J]\))(.*)", re.S)   # (C) its text; not `(A) or (C)`
-
-
-def choice_order(pid: str, n: int) -> list[int]:
-    """The options' order in the prompt: a permutation of range(n) drawn from sha256 of the
-    problem id alone (not Python's salted hash()), so every policy, run and rank sees the
-    same letters. Option order[i] is shown as LETTERS[i]."""
-    order = list(range(n))
-    random.Random(int.from_bytes(hashlib.sha256(pid.encode()).digest()[:8], "big")).shuffle(order)
-    return order
-
-
-def multiple_choice_row(where: str, row: dict) -> None:
-    """Turn a multiple-choice problems line (its "id" already a string) into a free-text
-    prompt, in place: "problem" becomes the question, a blank line, one `(A) option` line
-    per option in `choice_order`, a blank line and MC_INSTRUCTION; "choices" the option texts
-    in letter order; "answer" the letter of the correct option. Two forms are read: GPQA's
-    (`Question`, `Correct Answer`, `Incorrect Answer 1..3`) and `{"problem", "choices":
-    [2 to 10 options], "answer": "C"}` (the letter in the file's own order). Raises
-    InputError naming the field: a missing or blank question or option, a repeated option, a
-    letter that names no option, and a row with fields of both forms (GPQA's replaced its own
-    `choices` and `answer` without a word: tests/faults.md B45)."""
-    if "Correct Answer" in row and (mixed := [k for k in ("problem", "question", "choices", "answer") if k in row]):
-        raise InputError(f"{where}: fields {', '.join(map(repr, mixed))} beside GPQA's 'Correct Answer': give one "
-                         "form of multiple-choice row (GPQA's, or problem / choices / answer)")
-    if "Correct Answer" in row:
-        keys = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
-        question, *options = (_problem_value(where, k, row.get(k), numbers_ok=k != "Question") for k in keys)
-        gold = 0
-    else:
-        key = "problem" if "problem" in row else "question"
-        question = _problem_value(where, key, row.get(key), numbers_ok=False)
-        if not isinstance(row["choices"], list) or not 2 <= len(row["choices"]) <= len(LETTERS):
-            raise InputError(f"{where}: field 'choices' must be a list of 2 to {len(LETTERS)} options")
-        options = [_problem_value(where, f"choices[{i}]", c, numbers_ok=True) for i, c in enumerate(row["choices"])]
-        letter = _problem_value(where, "answer", row.get("answer"), numbers_ok=False)
-        gold = LETTERS.find(letter) if len(letter) == 1 else -1
-        if not 0 <= gold < len(options):
-            raise InputError(f"{where}: field 'answer' must be a letter A to {LETTERS[len(options) - 1]}")
-    first = {}
-    for i, option in enumerate(options):   # equal as choice_letter reads them: `paris` would name two letters (A21)
-        if (j := first.setdefault(_option_text(option), i)) != i:
-            raise InputError(f"{where}: options {options[j]!r} and {option!r} are the same answer to the grader "
-                             "(case, blanks, a final '.' and '$' aside): the letter it names would be ambiguous")
-    order = choice_order(row["id"], len(options))
-    row["choices"] = [options[i] for i in order]
-    lines = [f"({letter}) {option}" for letter, option in zip(LETTERS, row["choices"])]
-    row.update(problem="\n".join([question, "", *lines, "", MC_INSTRUCTION]), answer=LETTERS[order.index(gold)])
-
-
-def choice_letter(answer, choices: list):
-    """The letter an answer names among `choices` (option texts in letter order), or None.
-    Read, in this order: a letter (`C`, `(C)`, `C.`, `c`, also inside `\\text{}`), the text of
-    exactly one option (blanks, case, a final `.` and `$` aside), a labelled answer (`(C) ...`,
-    whatever follows the label unless it holds a second label). Not read: two letters (`A, C`, `AC`,
-    `(A) or (C)`), a letter past the last option, any other text (tests/faults.md A16)."""
-    s = _option_text(_TEXT.sub(r"\1", str(answer))) if answer else ""
-    m = _LETTER.fullmatch(s.upper())
-    hits = [m[1]] if m else [x for x, c in zip(LETTERS, choices) if _option_text(c) == s]
-    if not hits and (m := _LABELLED.fullmatch(s.upper())):   # after the texts: an option may be `(A) ...`
-        hits = [m[1]]
-    return hits[0] if len(hits) == 1 and LETTERS.index(hits[0]) < len(choices) else None
-
-
-def _option_text(text: str) -> str:
-    return " ".join(text.split()).strip(" .$").lower()
+    """1[pred answers problem]: `grade` against its "answer". The one verdict of every
+    reward (grpo.py's, a `--reward` such as the control's), of distillation's rule (i) and
+    of evaluation."""
+    return grade(pred, str(problem["answer"]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1435,107 +1436,27 @@ class Sandbox(contextlib.AbstractContextManager):
 # Internals: below this line, what a reader of the method does not need
 
 # -----------------------------------------------------------------------------
-# KV cache: the slab and the engine's batched forward
+# Grouped attention: a multi-token feed without repeat_kv's copy
 
-def _kv_cache(model, max_len: int | None = None):
-    """A transformers DynamicCache whose full-attention layers keep their keys and values
-    in a preallocated slab (`_slab_layer_class`) of at most `max_len` positions once that
-    many are needed; sliding-window layers keep their own class."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_slab_layer_class()(max_len) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-@functools.cache
-def _slab_layer_class():
-    """One layer of the KV cache: (B, H_kv, S, D) keys and values in a slab of capacity
-    >= S that grows by 25% (at least 256 positions, at most max_len) when full; `keys` and
-    `values` are the views [:, :, :S] that the model reads. DynamicLayer's crop,
-    batch_repeat_interleave and batch_select_indices work on those views; a view that no
-    longer lies in the slab (after a batch_* call) is copied into a new slab at the next write.
-
-    transformers' DynamicLayer `torch.cat`s the whole history at every step, so decoding
-    T tokens copies O(T^2) cache bytes per layer; writing only the new positions into the
-    slab copies O(T) in all (each growth copies what is there: about 4T over a rollout).
-    Unlike a static cache the length is not fixed in advance (a rollout's final length is
-    unknown) and attention reads only the filled part. The spare capacity is at most 25%
-    of the KV memory (doubling would risk twice the memory of a 16K-token wave).
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class SlabLayer(DynamicLayer):
-        def __init__(self, max_len=None):
-            super().__init__()
-            self.max_len, self.k_slab, self.v_slab = max_len, None, None
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-            n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]  # positions: held, after the write
-            # DynamicLayer's own crop keeps a view of the slab; its batch_* methods make new tensors
-            if self.k_slab is None or self.keys.data_ptr() != self.k_slab.data_ptr() or end > self.k_slab.shape[-2]:
-                capacity = max(end, min(max(end + 256, end * 5 // 4), self.max_len or math.inf))
-                self.k_slab, self.v_slab = (t.new_empty(t.shape[:2] + (capacity, t.shape[3]))
-                                            for t in (key_states, value_states))
-                self.k_slab[:, :, :n], self.v_slab[:, :, :n] = self.keys, self.values
-            self.k_slab[:, :, n:end], self.v_slab[:, :, n:end] = key_states, value_states
-            self.keys, self.values = self.k_slab[:, :, :end], self.v_slab[:, :, :end]
-            return self.keys, self.values
-
-    return SlabLayer
-
-
-# tokens a multi-token forward feeds each row at most: a longer feed (a prompt, an output
-# block) is cut into forwards of this many columns, so that its transient, which grows with
-# the tokens fed times the cache width, stays what `sft.feed_transient_bytes` counts
-FEED_CHUNK = 256
-
-
-def _forward_chunk(model, cache, past_mask, feeds, pad_id):
-    """Append one ragged chunk per row to the KV cache and return the last logits.
-
-    feeds: list of B id lists (possibly empty: the row waits); they are left-padded, so a
-        row's pads sit in the *middle* of its mask, after its history. Fed in forwards of at
-        most FEED_CHUNK columns (the last one holds every row's last token), multi-token ones
-        through `_grouped_sdpa`.
-    past_mask: (B, S) 0/1 mask of what the cache holds (its row sums: the real tokens so far).
-    Returns (logits (B, V) at each row's last fed position, new mask (B, S + L)).
-    Position ids count real tokens only (tests/faults.md G1), and the causal mask is built by
-    transformers from the cache length, aligned bottom-right (G8).
-    """
-    import torch
-    ids, mask = _pad_left(feeds, pad_id, past_mask.device)  # (B, L), (B, L)
+@contextlib.contextmanager
+def _grouped_attention(model, tokens: int):
+    """While a forward of `tokens` tokens a row runs: on an sdpa model fed more than one token,
+    attention is `_grouped_sdpa` (registered with transformers, masks as sdpa's), not
+    transformers' sdpa, which copies the KV heads to every query head under a mask (repeat_kv:
+    4x a layer's cache for Qwen3-4B; tests/faults.md G23). Otherwise nothing changes."""
     config = model.config
-    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
-    for end in range(ids.shape[1] % FEED_CHUNK or FEED_CHUNK, ids.shape[1] + 1, FEED_CHUNK):
-        cut = slice(max(end - FEED_CHUNK, 0), end)
-        pos = (past_mask.sum(dim=1, keepdim=True) + torch.cumsum(mask[:, cut], dim=1) - 1).clamp(min=0) * mask[:, cut]
-        past_mask = torch.cat([past_mask, mask[:, cut]], dim=1)  # (B, S + end)
-        # transformers' sdpa copies the KV heads to every query head under a mask when more
-        # than one token is fed (repeat_kv: 4x a layer's cache for Qwen3-4B); the engine's own
-        # attention reads them as they are (tests/faults.md G23)
-        if sdpa and end - cut.start > 1:
-            config._attn_implementation = _grouped_attention()
-        try:
-            out = model(input_ids=ids[:, cut], attention_mask=past_mask, position_ids=pos, cache=cache,
-                        use_cache=True, logits_to_keep=1)
-        finally:
-            if sdpa:
-                config._attn_implementation = "sdpa"
-    return out.logits[:, -1, :], past_mask
-
-
-@functools.cache
-def _grouped_attention() -> str:
-    """Register `_grouped_sdpa` with transformers (once) under the name it returns; masks as sdpa's."""
+    if tokens < 2 or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register("thinc_grouped_sdpa", _grouped_sdpa)
     AttentionMaskInterface.register("thinc_grouped_sdpa", sdpa_mask)
-    return "thinc_grouped_sdpa"
+    config._attn_implementation = "thinc_grouped_sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -1555,48 +1476,18 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     if G == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    B, H, L, D = query.shape
-    out = query.new_empty(B, L, H, value.shape[-1])  # (B, L, H, D)
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])  # (B, L, H, D)
     for h in range(n_kv):
         heads = slice(h * G, (h + 1) * G)
         k, v = (t[:, h:h + 1].expand(-1, G, -1, -1) for t in (key, value))  # (B, G, S, D) views
-        o = torch.nn.functional.scaled_dot_product_attention(query[:, heads], k, v, attn_mask=attention_mask,
-                                                             dropout_p=dropout, scale=scaling)
-        out[:, :, heads] = o.transpose(1, 2)
+        out[:, :, heads] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, heads], k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling).transpose(1, 2)
     return out, None
-
-
-def _pad_left(seqs, pad_id, device):
-    """Left-pad a list of id lists into (B, L) ids and a (B, L) 0/1 mask."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], True, pad_id, "left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], True, 0, "left")
-    return ids.to(device), mask.to(device)
-
-
-def _compact(cache, mask):
-    """Drop the cache positions that no row attends to: each row's real positions (mask 1,
-    in order) move to the right end of the S' = max row sum positions kept, in place (the
-    slab stays; attention does not depend on where a key sits, its rotary position is in it).
-    mask: (B, S) 0/1. Returns the (B, S') mask."""
-    keep = int(mask.sum(dim=1).max())
-    idx = mask.sort(dim=1, stable=True).indices[:, mask.shape[1] - keep:]  # (B, S'): zeros first, then ones
-    for layer in [x for x in cache.layers if x.is_initialized]:  # (a stand-in model may use no cache)
-        for t in (layer.keys, layer.values):  # (B, H_kv, S, D)
-            t[:, :, :keep] = t.gather(2, idx[:, None, :, None].expand(t.shape[0], t.shape[1], keep, t.shape[3]))
-        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-    return mask.gather(1, idx)
 
 
 # -----------------------------------------------------------------------------
 # Sandbox: a fork server of pre-imported workers, Linux namespaces for each block
 
-# limit files of a cgroup per block (v1's memory and pids hierarchies, and v2), each with its spelling of "none";
-# RAM before swap (v1 refuses a memsw limit below the RAM one); the swap files exist only with swap accounting
-_CGROUP_LIMITS = {"memory": {"memory.limit_in_bytes": -1, "memory.memsw.limit_in_bytes": -1},
-                  "pids": {"pids.max": "max"},
-                  "": {"memory.max": "max", "memory.swap.max": "max", "pids.max": "max"}}
 _SWAP_LIMITS = ("memory.memsw.limit_in_bytes", "memory.swap.max")
 _REPORT_FD = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1  # beyond os.closerange(3, 1024)
 # audit arch, clone, unshare, clone3, then the calls a block may not make: setns, keyctl, add_key,
@@ -1773,7 +1664,8 @@ def _enter_new_root(own_proc=False):
     them: run folders, models, /root, /home, /run, /var, /sys are not there), /dev's null, zero,
     random and urandom (device files), and empty /proc, /tmp and /dev/shm for each block's
     own. Only binds of those folders, not of the mounts below them: no host mount is
-    remounted, so one hidden under another (shadowed) cannot make this fail. /etc holds
+    remounted, so one hidden under another (shadowed) cannot make this fail; a folder of
+    them inside another is bound again, so a mount there shows (tests/faults.md S44). /etc holds
     os-release, and hosts and nsswitch.conf naming localhost, as `python block.py` sees them.
     own_proc (in a user namespace): a proc of the template's PID namespace at /proc, which the
     kernel asks for before a block may mount its own there. Raises OSError."""
@@ -1782,7 +1674,6 @@ def _enter_new_root(own_proc=False):
     asked = [*_SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              *filter(None, sys.path)]
     links = {p: os.path.realpath(p) for p in asked if os.path.islink(p)}
-    real = sorted({os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"})
     # the project (this file's folder) and the caller's working folder, real paths: where they lie
     # inside a bound folder (a project under /usr/src, a venv holding the checkout), an empty
     # tmpfs covers them there (tests/faults.md S36); a folder a system path lies in is never hidden
@@ -1790,28 +1681,26 @@ def _enter_new_root(own_proc=False):
     with contextlib.suppress(OSError):  # (a working folder deleted under the caller: nothing to hide)
         hidden.add(os.path.realpath(os.getcwd()))
     hidden = {h for h in hidden if not any((p + "/").startswith(h + "/") for p in _SYSTEM_PATHS)}
-    real = [p for p in real if p not in hidden]  # the project as a sys.path folder (pip install -e): not bound
+    # (the project as a sys.path folder, pip install -e: not bound)
+    real = {os.path.realpath(p) for p in asked if os.path.exists(p)} - {"/"} - hidden
     masks = sorted(h for h in hidden if any(h.startswith(p + "/") for p in real))
-
-    def under(p, q):  # p is q or inside it
-        return (p + "/").startswith(q + "/")
-    # a folder inside a bound one is bound with it, unless a mask lies between them
-    real = [p for p in real if not any(under(p, q) and p != q and not any(under(p, m) and under(m, q) for m in masks)
-                                       for q in real)]
     devices = [f"/dev/{d}" for d in ("null", "zero", "random", "urandom")]
-    sources = {p: os.open(p, os.O_PATH) for p in sorted(real + masks) + devices}  # (before the tmpfs hides /tmp)
+    sources = {p: os.open(p, os.O_PATH) for p in sorted([*real, *masks]) + devices}  # (before the tmpfs hides /tmp)
     _mount(b"tmpfs", b"/tmp", b"tmpfs", _NOSUID | _NODEV, b"mode=755")  # the new root, built here
-    for p, fd in sources.items():  # parents before children: a mask, then what is bound inside it
+    # parents before children, each bound alone: a folder inside a bound one is bound again (another mount there,
+    # a venv's site-packages say, would be empty in its parent's bind: tests/faults.md S44), a mask covers what it
+    # hides, then what lies inside it is bound
+    for p, fd in sources.items():
         new = f"/tmp{p}"
+        with contextlib.suppress(OSError):  # (read-only in a bound folder: there, unless below a mount it leaves out)
+            os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
+            if not os.path.exists(new):
+                os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
         if p in masks:
             _mount(b"tmpfs", new.encode(), b"tmpfs", _NOSUID | _NODEV, b"mode=755")
-            os.close(fd)
-            continue
-        os.makedirs(new if stat.S_ISDIR(os.fstat(fd).st_mode) else os.path.dirname(new), exist_ok=True)
-        if not os.path.exists(new):
-            os.close(os.open(new, os.O_CREAT | os.O_WRONLY, 0o644))
-        _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
-        _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
+        elif os.path.exists(new):  # (else: not there, as in its parent's bind)
+            _mount(f"/proc/self/fd/{fd}".encode(), new.encode(), None, _BIND)
+            _mount(None, new.encode(), None, _REMOUNT | _BIND | _RDONLY | _NOSUID | (0 if p in devices else _NODEV))
         os.close(fd)
     links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
                   "/dev/stderr": "/proc/self/fd/2"})
@@ -2068,20 +1957,26 @@ def _make_cgroup(memory_mb) -> list:
     """A new cgroup for blocks, as its directories (cgroup v2: one; v1: memory and pids),
     under the caller's own: limits that count every task (threads too) and page (memfds,
     page cache, kernel memory) of a block. [] where the caller may not make one."""
-    dirs = []
+    # its limit files in v1's memory and pids hierarchies and in v2 (None: none, as a new cgroup has), RAM before
+    # swap (v1 refuses a memsw limit below the RAM one): pids a hard stop above the count (should a bomb outrun it);
+    # memory_mb MiB of RAM and swap together (v1's memsw limit equals the RAM limit, v2's swap limit is 0: on a host
+    # with swap a block would otherwise push the rest of its pages there, tests/faults.md S39)
+    ram, swap, pids, dirs = memory_mb << 20 or None, 0 if memory_mb else None, MAX_BLOCK_TASKS + MAX_BLOCK_PROCS, []
+    limits = {"memory": {"memory.limit_in_bytes": ram, "memory.memsw.limit_in_bytes": ram}, "pids": {"pids.max": pids},
+              "": {"memory.max": ram, "memory.swap.max": swap, "pids.max": pids}}
     with open("/proc/self/cgroup") as f:
         for ctrls, path in [line.rstrip("\n").split(":", 2)[1:] for line in f]:
             d = os.path.normpath(f"/sys/fs/cgroup/{ctrls}/{path}/thinc_{os.urandom(8).hex()}")
-            if ctrls not in _CGROUP_LIMITS or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
+            if ctrls not in limits or not os.path.exists(f"{os.path.dirname(d)}/cgroup.procs"):
                 continue  # (another controller, or no cgroup file system there)
             try:
                 os.mkdir(d)
-                for name, none in _CGROUP_LIMITS[ctrls].items():
-                    if name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
-                        continue  # no swap accounting: nothing to limit, or nothing the kernel can
+                for name, value in limits[ctrls].items():
+                    if value is None or name in _SWAP_LIMITS and not os.path.exists(f"{d}/{name}"):
+                        continue  # the swap files exist only with swap accounting: nothing the kernel can limit
                     try:
                         with open(f"{d}/{name}", "w") as limit:
-                            limit.write(str(_cgroup_limit(name, memory_mb, none)))
+                            limit.write(str(value))
                     except OSError:  # a refused swap limit keeps the RAM limit; any other drops the cgroup
                         if name not in _SWAP_LIMITS:
                             raise
@@ -2089,18 +1984,6 @@ def _make_cgroup(memory_mb) -> list:
             except OSError:  # not root, read-only, or a v2 controller not delegated to the caller
                 _remove_cgroup([d])
     return dirs
-
-
-def _cgroup_limit(name, memory_mb, none):
-    """The value of a block cgroup's limit file: pids a hard stop above the count (should a
-    bomb outrun it); memory `memory_mb` MiB of RAM and swap together (v1's memsw limit equals
-    the RAM limit, v2's swap limit is 0: on a host with swap a block would otherwise push the
-    rest of its pages there, tests/faults.md S39); `none` without memory_mb."""
-    if name == "pids.max":
-        return MAX_BLOCK_TASKS + MAX_BLOCK_PROCS
-    if not memory_mb:
-        return none
-    return 0 if name == "memory.swap.max" else memory_mb << 20
 
 
 def _remove_cgroup(dirs):
@@ -2218,7 +2101,6 @@ def packaged_model_path(name: str, cache_dir: str | None = None) -> str:
             gives the exact pip command (tests/faults.md B32).
         ValueError: the assembled file's sha256 is wrong.
     """
-    import hashlib
     from importlib import metadata
 
     spec = PACKAGED_MODELS[name]
@@ -2520,34 +2402,28 @@ def read_jsonl(path: str, torn_tail_ok: bool = False, max_line: int = LINE_MAX, 
             if len(raw) > max_line:
                 raise InputError(f"{path}:{lineno}: a line of more than {max_line / 2**20:g} MiB: no row of this "
                                  "project is that long (a damaged or wrong file?)")
-            if (row := _jsonl_row(path, lineno, raw, torn_tail_ok, json_kw)) is not None:
-                yield lineno, row
+            if not raw.strip():
+                continue
+            try:
+                # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
+                row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
+            except RecursionError:
+                raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
+                if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
+                    continue
+                what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
+                    f"not valid JSON ({getattr(e, 'msg', e)})"
+                if "int_max_str_digits" in str(e):
+                    what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
+                raise InputError(f"{path}:{lineno}: {what}") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
 
 
-def _jsonl_row(path: str, lineno: int, raw: bytes, torn_tail_ok: bool, json_kw: dict):
-    """One line of `read_jsonl` as an object; None for a blank line or an ignored torn tail."""
-    if not raw.strip():
-        return None
-    try:
-        # (a BOM is allowed, as python and json allow it; a key twice is refused, not the last kept)
-        row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys, **json_kw)
-        json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\ud800") is no text
-    except RecursionError:
-        raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-    except ValueError as e:  # UnicodeError, JSONDecodeError, an integer over the int-str limit, a key twice
-        if torn_tail_ok and not raw.endswith(b"\n"):  # (only the last line lacks its newline)
-            return None
-        what = f"not UTF-8 text ({e.reason})" if isinstance(e, UnicodeError) else \
-            f"not valid JSON ({getattr(e, 'msg', e)})"
-        if "int_max_str_digits" in str(e):
-            what = f"an integer of more than {sys.get_int_max_str_digits()} digits: write it as a string"
-        raise InputError(f"{path}:{lineno}: {what}") from None
-    if not isinstance(row, dict):
-        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-    return row
-
-
-# a problem's text field (the question, an option, the answer) and its whole line: 1 MiB is
+# a problem's text field (the question, the answer) and its whole line: 1 MiB is
 # about 250,000 tokens, past any --max-context these stages run at (tests/faults.md B44)
 FIELD_MAX, PROBLEM_LINE_MAX = 2**20, 4 * 2**20
 
@@ -2589,9 +2465,8 @@ def read_problems(path: str) -> list:
     worked `solution` (MATH) whose last \boxed{} is taken as the answer. The problem is a
     string, the answer a string or a number (read exactly, see `_problem_value`); both
     come back as stripped strings. The id is a string or an integer; a missing (or null)
-    id becomes "<file stem>-<line>". A multiple-choice line (with "choices", or GPQA's
-    "Correct Answer"; its id may be GPQA's "Record ID") becomes a prompt with lettered
-    options and a gold letter (`multiple_choice_row`). Ids must be unique: resume, pass
+    id becomes "<file stem>-<line>". A multiple-choice line (with "choices") is refused:
+    answers are graded as math, never as letters. Ids must be unique: resume, pass
     rates and --drop-solved key on them. Blank lines are skipped.
 
     Raises:
@@ -2606,13 +2481,12 @@ def read_problems(path: str) -> list:
     stem = os.path.splitext(os.path.basename(path))[0]
     for lineno, row in read_jsonl(path, max_line=PROBLEM_LINE_MAX, parse_float=_Float, parse_constant=_Float):
         where = f"{path}:{lineno}"
-        pid = row.get("id", row.get("Record ID"))   # (GPQA's rows name themselves "Record ID")
-        pid = f"{stem}-{lineno}" if pid is None else pid
+        pid = row["id"] if row.get("id") is not None else f"{stem}-{lineno}"
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise InputError(f"{where}: field 'id' must be a string or an integer, got {pid!r}")
         row["id"] = str(pid)
-        if "choices" in row or "Correct Answer" in row:   # before the fields: it writes "problem" and "answer"
-            multiple_choice_row(where, row)
+        if "choices" in row:
+            raise InputError(f"{where}: field 'choices': multiple-choice problems are not supported (give the answer)")
         # (MATH-style files have a worked `solution` whose final \boxed{} is the answer)
         for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
@@ -2804,7 +2678,7 @@ class RolloutProgress:
 
 
 # -----------------------------------------------------------------------------
-# Command line: the rules every stage shares, and this file's own (run files in the sandbox)
+# Command line: the rules every stage shares
 
 class InputError(ValueError):
     """Bad input from the user: a file, a flag, a run folder. `cli` prints it as one line
@@ -2921,35 +2795,3 @@ def command_line(*extra: str) -> str:
     launch = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
     return shlex.join(launch + [sys.argv[0], *argv, *extra])
 
-
-def main(argv=None):
-    p = ArgumentParser(description="Run Python files in the THINC sandbox; print what the model sees after each.")
-    p.add_argument("files", nargs="+", help="Python files, each run as one block")
-    p.add_argument("--stateful", action="store_true", help="the files are the blocks of one trajectory (Sandbox.run)")
-    p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds a block, wall clock")
-    p.add_argument("--memory-mb", type=nonneg_int, default=4096, help="address-space limit, MiB; 0 = none")
-    p.add_argument("--max-output-chars", type=nonneg_int, default=2000, help="output cap, characters; 0 = none")
-    p.add_argument("--allow-uncontained", action="store_true",
-                   help="as root where namespaces are refused: run blocks uncontained (a warning), not fail")
-    args = p.parse_args(argv)
-    codes = []
-    for path in args.files:  # a missing file or a folder: an OSError that `cli` prints in one line
-        try:
-            with open(path, "rb") as f:
-                codes.append(f.read().decode("utf-8-sig"))  # a BOM, as python itself allows
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
-        if "\0" in codes[-1]:
-            raise InputError(f"{path}: a binary file (NUL bytes), not Python source")
-    history = []
-    with Sandbox(workers=1, timeout=args.timeout, memory_mb=args.memory_mb,
-                 max_output_chars=args.max_output_chars, allow_uncontained=args.allow_uncontained) as sb:
-        for path, code in zip(args.files, codes):
-            r = sb.run(code, history=list(history) if args.stateful else None)
-            history.append({"code": code, "output": r.output, "status": r.status})
-            print(f"# {path}\n{r.output}" if len(args.files) > 1 else r.output)
-            print(f"[{path}: status {r.status}, {r.seconds * 1000:.1f} ms]", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(cli(main))

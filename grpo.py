@@ -584,20 +584,18 @@ def step_metrics(step: int, problems, samples, rewards, dropped: int, train, tim
                                                         device=proc.device)).tolist()))
     slowest = sft.all_reduce(torch.tensor(times[:2], dtype=torch.float64, device=proc.device), dist.ReduceOp.MAX)
     update = sft.all_reduce(torch.tensor(times[2:], dtype=torch.float64, device=proc.device), dist.ReduceOp.MIN)
-    times = slowest.tolist() + update.tolist()  # rollout, exec stalls, training
     if proc.world_size > 1:
         parts = [None] * proc.world_size
         dist.all_gather_object(parts, records)  # every rank calls it; rank 0 keeps the result
         records = [r for p in parts for r in p]
-    loss_tokens = totals["loss_tokens"]
     finite = [n for n in train["grad_norms"] if math.isfinite(n)]  # the updates applied
-    metrics = {"step": step, "groups": int(totals["groups"]), "loss_tokens": int(loss_tokens),
+    metrics = {"step": step, "groups": int(totals["groups"]), "loss_tokens": int(totals["loss_tokens"]),
                **{name: totals[a] / max(totals[b], 1.0) for name, (a, b) in SHARES.items()},
-               **{name: totals[name] / loss_tokens for name in train["sums"] if name != "loss_tokens"},  # per token
+               **{name: totals[name] / totals["loss_tokens"] for name in train["sums"] if name != "loss_tokens"},
                "grad_norm": sum(finite) / len(finite) if finite else None,
                "grad_norms": [n if math.isfinite(n) else None for n in train["grad_norms"]],
                "optimizer_steps": train["optimizer_steps"], "lr": optimizer.param_groups[0]["lr"],
-               **dict(zip(("time_rollout", "time_exec", "time_train"), times))}
+               **dict(zip(("time_rollout", "time_exec", "time_train"), slowest.tolist() + update.tolist()))}
     return metrics, (records if proc.rank == 0 else [])
 
 
@@ -702,8 +700,7 @@ def run_summary(args, problems, samples) -> str:
         f"Files in {os.path.abspath(args.out)}:",
         "  metrics.jsonl     one line per step (the table above and more)",
         "  pass_rates.jsonl  one line per prompt per step: correct of G",
-        "  latest/           the trained policy (Hugging Face directory) and trainer state",
-        f"Pictures of the run: python evaluate.py --plot {args.out}", "=" * 80])
+        "  latest/           the trained policy (Hugging Face directory) and trainer state", "=" * 80])
 
 
 # -----------------------------------------------------------------------------

@@ -61,8 +61,7 @@ def setup_distributed(seed: int, backend: str | None = None, timeout=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"), timeout=timeout)
     set_seed(seed + rank)  # python, numpy, torch (CPU and CUDA)
     return rank, local_rank, world_size, device
 
@@ -174,8 +173,7 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start=0,
-                check_finite=True):
+    def forward(self, input_ids, attention_mask, position_ids, chunk_size, temperature, entropy, start, check_finite):
         assert not getattr(getattr(self.lm, "config", None), "final_logit_softcapping", None), \
             "token_logprobs: final logit soft-capping is not supported"
         body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
@@ -527,16 +525,15 @@ def _is_sharded(params) -> bool:
     return any(type(p).__name__ == "DTensor" for p in params)  # FSDP's parameters
 
 
-def full_state_dict(model, cpu_offload: bool = True) -> dict:
+def full_state_dict(model) -> dict:
     """The Hugging Face model's full (unsharded) state dict. Without FSDP, the module's own.
-    Under FSDP every rank must call it (it gathers the shards); with `cpu_offload` (saving)
-    rank 0 alone gets the tensors, on CPU; without (the GRPO rollout copy) every rank gets
-    them on its device."""
+    Under FSDP every rank must call it (it gathers the shards) and rank 0 alone gets the
+    tensors, on CPU."""
     lm = unwrap_model(model)
     if not _is_sharded(lm.parameters()):
         return lm.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = {k.removeprefix("lm."): v for k, v in get_model_state_dict(model, options=opts).items()}
     first = {}  # tied weights (embeddings / lm_head) gathered as two copies: share one again,
     for name, p in lm.named_parameters(remove_duplicate=False):  # so save_pretrained keeps the tie
@@ -546,12 +543,11 @@ def full_state_dict(model, cpu_offload: bool = True) -> dict:
     return sd
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict | None = None,
-                    optimizer=None):
+def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: dict, optimizer=None):
     """Write a Hugging Face model directory atomically (temp dir, then rename).
 
-    out_dir gets *.safetensors, config.json, the tokenizer files, args.json and, if given,
-    this rank's `trainer_state` (the stage's entries: step, data position) as
+    out_dir gets *.safetensors, config.json, the tokenizer files, args.json and this
+    rank's `trainer_state` (the stage's entries: step, data position) as
     trainer_state_rank{r}.pt, to which `optimizer` adds its state ("optimizer": the full
     state dict, written by rank 0 under DDP; or under ZeRO "optimizer_shard": this rank's
     share), this process's python / numpy / torch / CUDA RNG states and the world size (all
@@ -560,6 +556,7 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     weights, GGUF quantizer marker still attached) saves as plain safetensors.
     """
     rank, tmp, old = _rank(), out_dir.rstrip("/") + ".tmp", out_dir.rstrip("/") + ".old"
+    world = dist.get_world_size() if dist.is_initialized() else 1
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP: this rank's shard
     bad = all_reduce(torch.tensor(float(sum(not bool(p.isfinite().all()) for p in params)), device=params[0].device))
     if bad > 0:  # never over the last good checkpoint (tests/faults.md D11)
@@ -571,27 +568,24 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
     barrier()
     try:  # a full disk or Ctrl-C leaves no partial <dir>.tmp behind
         sd = full_state_dict(model)
-        if trainer_state is not None:
-            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-            state = {**trainer_state, "rng": rng, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-            if optimizer is not None and _is_zero(optimizer):
-                # each rank writes its own share: consolidating on rank 0 would bring back the
-                # memory that sharding saves
-                state["optimizer_shard"] = optimizer.optim.state_dict()
-            elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
-                # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
-                # memory and disk three times over saved per extra rank); RNG stays per rank
-                state["optimizer"] = optimizer.state_dict()
-            torch.save(state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        state = {**trainer_state, "rng": rng, "world_size": world}
+        if optimizer is not None and _is_zero(optimizer):
+            # each rank writes its own share: consolidating on rank 0 would bring back the
+            # memory that sharding saves
+            state["optimizer_shard"] = optimizer.optim.state_dict()
+        elif optimizer is not None and (rank == 0 or _is_sharded(model.parameters())):
+            # DDP replicates the optimizer: rank 0's copy serves every rank (a model's worth of
+            # memory and disk three times over saved per extra rank); RNG stays per rank
+            state["optimizer"] = optimizer.state_dict()
+        torch.save(state, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
         if rank == 0:
             lm = unwrap_model(model)
             executor.drop_gguf_marker(lm)  # (a model given here, not loaded by executor.load_model)
             lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            executor.write_json_atomic(os.path.join(tmp, "args.json"),
-                                       {**args, "checkpoint": True, "world_size": dist.get_world_size()
-                                        if dist.is_initialized() else 1})
+            executor.write_json_atomic(os.path.join(tmp, "args.json"), {**args, "checkpoint": True, "world_size": world})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -653,17 +647,24 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
         for log in glob.glob(os.path.join(glob.escape(out), "*.jsonl")):  # a bad line: refused before any write
             executor.read_jsonl_tolerant(log)
         for state in glob.glob(os.path.join(glob.escape(resume), "trainer_state_rank*.pt")):
-            try:  # (torch.save writes a zip: a cut file has no central directory at its end)
-                zipfile.ZipFile(state).close()
-            except (zipfile.BadZipFile, OSError):
+            if not zipfile.is_zipfile(state):  # (torch.save writes a zip: a cut file has no end record)
                 raise executor.InputError(f"{state}: a damaged trainer state (a cut file?): resume from another "
-                                          "checkpoint, or start from its weights with --model") from None
+                                          "checkpoint, or start from its weights with --model")
         return resume
     found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
     if found:
         ckpt = newest_checkpoint(out)
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
+
+
+def start_run(args_path: str, stage: str, args, lock: str):
+    """A run's first write, on rank 0 once every check has passed: hold the run's lock
+    (`executor.lock_run` on `lock`, its --out) and write `args_path` ({"stage", **args}),
+    its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(args_path)), exist_ok=True)
+    executor.lock_run(lock)
+    executor.write_json_atomic(args_path, {"stage": stage, **vars(args)})
 
 
 def check_torch(args, device, version: str = torch.__version__):
@@ -782,7 +783,7 @@ def load_optimizer_state(opt, state: dict, where: str):
     `opt`, made by `make_optimizer`. A full state loads into either kind; a ZeRO share only
     into ZeRO on as many ranks. ZeRO's share restores the moments only: its exposed param
     groups (lr and the rest) stay the caller's, which the local optimizer copies at each step,
-    so a scheduler's lr must be set again after a resume (`sft.main` does).
+    so the lr must be set again after a resume (`sft.main` sets it at every step).
 
     Raises:
         ValueError naming `where` (the checkpoint) when the shares do not fit this run.
@@ -804,15 +805,13 @@ def load_optimizer_state(opt, state: dict, where: str):
 def parse_args(argv=None):
     p = executor.ArgumentParser(description="THINC SFT: masked full-token SFT on trajectories.")
     # model and data
-    p.add_argument("--model", type=model_path, default=executor.DEFAULT_POLICY,
-                   help="model directory, .gguf file or packaged model name")
+    p.add_argument("--model", type=model_path, default=executor.DEFAULT_POLICY, help="HF dir, .gguf or packaged name")
     p.add_argument("--data", type=input_file, required=True, help="trajectory JSONL (problem, completion[, blocks])")
     p.add_argument("--out", required=True, help="output directory (checkpoints, log.jsonl)")
     p.add_argument("--resume", help="checkpoint directory to continue from exactly (its weights replace --model)")
     p.add_argument("--max-len", type=positive_int, default=32768, help="tokens per trajectory; longer ones are dropped")
     p.add_argument("--mask-outputs", action="store_true", help="ablation: no loss on ```output tokens")
-    p.add_argument("--stateful", action="store_true",
-                   help="trajectories distilled with --stateful: train under the stateful system prompt")
+    p.add_argument("--stateful", action="store_true", help="trajectories distilled with --stateful (its system prompt)")
     # optimisation
     p.add_argument("--lr", type=executor.unit_float, default=7e-6, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.0, help="cosine floor, fraction of --lr")
@@ -831,17 +830,14 @@ def add_training_args(p):
     p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm; 0 = off")
     p.add_argument("--max-skipped-steps", type=nonneg_int, default=5,
-                   help="stop after this many optimizer steps (grpo: updates) in a row skipped for a non-finite "
-                        "gradient; 0 = never")
+                   help="stop after N steps (grpo: updates) in a row skipped for a non-finite gradient; 0 = never")
     p.add_argument("--chunk-size", type=positive_int, default=1024, help="positions per lm_head/log-softmax chunk")
     # system
     p.add_argument("--seed", type=executor.seed_int, default=0, help="data order and RNG seed (rank r uses seed + r)")
     p.add_argument("--fsdp", action="store_true", help="shard with torch fully_shard instead of DDP")
     p.add_argument("--dist-timeout", type=executor.bounded(float, 0, 8760, low_open=True), default=24.0,
-                   help="hours (a year at most) a collective waits for the slowest rank (a step's rollouts, a save); "
-                   "torch's: 10 min")
-    p.add_argument("--shard-optimizer", action="store_true",
-                   help="with DDP: ZeRO-1, each rank keeps AdamW state for 1/world of the parameters")
+                   help="hours (<= 8760) a collective waits for the slowest rank (rollouts, a save); torch's: 10 min")
+    p.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1 (DDP): a rank keeps 1/world of AdamW's state")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--fp32", action="store_true", help="no bf16 on CUDA (autocast; grpo's rollout copy); CPU is fp32")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -891,28 +887,20 @@ def main(argv=None):
     warmup = int(args.warmup * total)
     print0(f"{steps_per_epoch} steps per epoch, {total} steps, {warmup} warmup")
     if rank == 0:  # every check passed: the run's first write
-        os.makedirs(args.out, exist_ok=True)
-        executor.lock_run(args.out)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "sft", **vars(args)})
+        start_run(os.path.join(args.out, "args.json"), "sft", args, lock=args.out)
     model = wrap_model(lm, device, fsdp=args.fsdp, grad_checkpointing=args.grad_checkpointing)
     print0(f"memory plan a rank: model + optimizer state "
            f"{state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer):.1f} GiB")
 
-    # 2) optimizer, schedule, resume
+    # 2) optimizer and resume (the lr is set at every step from this run's --lr, so a new one applies)
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, total, warmup, args.min_lr_ratio))
     step, skipped = 0, 0
     if args.resume:
-        st = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])
-        sched.load_state_dict(st["scheduler"])
-        sched.base_lrs = [args.lr] * len(opt.param_groups)  # this --lr applies (the log shows it)
-        step = st["step"]
-        for group in opt.param_groups:  # (a ZeRO share holds the lr before the last step)
-            group["lr"] = args.lr * cosine_schedule(step, total, warmup, args.min_lr_ratio)
+        step = load_trainer_state(args.resume, opt, logs=[os.path.join(args.out, "log.jsonl")])["step"]
 
     def save(name):
-        state = {"step": step, "scheduler": sched.state_dict()}
-        save_checkpoint(os.path.join(args.out, name), model, tokenizer, {"stage": "sft", **vars(args)}, state, opt)
+        save_checkpoint(os.path.join(args.out, name), model, tokenizer, {"stage": "sft", **vars(args)},
+                        {"step": step}, opt)
 
     # 3) the loop: one optimizer step per global batch
     bar = executor.progress_bar(total=total, initial=step, disable=rank != 0 or args.no_progress, desc="sft",
@@ -924,10 +912,11 @@ def main(argv=None):
                for c in micro_batches_for_rank(idx, lengths, args.micro_batch, accum, world, rank)]
         m = backward_step(model, mbs, mask_outputs=args.mask_outputs, chunk_size=args.chunk_size,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
-        lr = opt.param_groups[0]["lr"]
+        lr = args.lr * cosine_schedule(step, total, warmup, args.min_lr_ratio)
+        for group in opt.param_groups:  # (under ZeRO: the groups its local optimizer copies at each step)
+            group["lr"] = lr
         grad_norm = optimizer_step(model, opt, args.grad_clip)
         skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # steps in a row skipped (tests/faults.md D10)
-        sched.step()
         step, dt = step + 1, time.perf_counter() - t0
         rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "lr": lr,
                "grad_norm": grad_norm if not skipped else None, "skipped_in_a_row": skipped,

@@ -26,5 +26,3 @@ for m in runs/learn/latest qwen2.5-coder-0.5b; do
 done
 python data/compare.py --families runs/learn_eval_qwen2.5-coder-0.5b/samples.jsonl runs/learn_eval_latest/samples.jsonl
 python data/compare.py runs/learn_gsm8k_qwen2.5-coder-0.5b/samples.jsonl runs/learn_gsm8k_latest/samples.jsonl
-python evaluate.py --plot runs/learn
-cp runs/learn/training_curves.png data/does_it_learn_curves.png

@@ -21,9 +21,8 @@ import executor as ex  # noqa: E402
 
 def answer_rewards(samples, problems) -> list[float]:
     """1.0 or 0.0 per sample: its own answer (`sample.pred`, from model-written text only)
-    answers its problem by grpo.py's own verdict (`executor.correct`: a multiple-choice row
-    by its letter). `problems` holds one problem per group of len(samples) / len(problems)
-    consecutive samples (G; 1 when aligned)."""
+    answers its problem by grpo.py's own verdict (`executor.correct`). `problems` holds one
+    problem per group of len(samples) / len(problems) consecutive samples (G; 1 when aligned)."""
     G = len(samples) // len(problems)
     return [float(ex.correct(s.pred, problems[i // G])) for i, s in enumerate(samples)]
 

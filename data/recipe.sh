@@ -33,6 +33,8 @@
 # still to run needs its model). A killed part is rerun, and every stage resumes its own partial output (evaluate.py
 # and distill.py skip what they wrote, grpo.py and sft.py continue from their newest checkpoint).
 # runs/recipe/times.tsv gets a line as each part starts and ends, with the commit it ran on.
+# The start model's full public sets (13) take longer than one machine lives: each export keeps their finished
+# rows (data/recipe/*_all_start.partial.samples.jsonl.gz), and a new machine goes on from them.
 # A part is done only while its output exists (a done part whose samples are gone runs again)
 # and only for the settings R and OUT_DIR were made with (their settings.txt): a run with
 # other settings over them is refused (tests/faults.md P7).
@@ -346,9 +348,15 @@ evaluate_on() {  # evaluate_on ROW NAME JSONL LIMIT K: runs/recipe/NAME_ROW
 
 evaluate_all() {  # evaluate_all ROW BENCH JSONL LIMIT: the whole set, from the first PUBLIC_N's samples
     local first=$R/$2_$1/samples.jsonl
-    if [ -s "$first" ] && [ ! -e "$R/$2_all_$1" ]; then
+    local partial=$OUT/$2_all_$1.partial.samples.jsonl.gz
+    if [ ! -e "$R/$2_all_$1" ]; then
         mkdir -p "$R/$2_all_$1"
-        cp "$first" "$R/$2_all_$1/samples.jsonl"  # evaluate.py resumes from them: the same seeds
+        if [ -s "$first" ]; then
+            cp "$first" "$R/$2_all_$1/samples.jsonl"  # evaluate.py resumes from them: the same seeds
+        fi
+        if [ "$1" = start ] && [ -f "$partial" ]; then  # an earlier machine's unfinished rows (export_files)
+            gunzip -c "$partial" > "$R/$2_all_$1/samples.rank0.jsonl"
+        fi
     fi
     evaluate_on "$1" "$2_all" "$3" "$4" 1
 }
@@ -375,8 +383,23 @@ export_files() {  # gzip -n: the same samples give the same bytes; only finished
         gzip -9 -n -c "$R/distill/traj.jsonl" > "$OUT/distill.kept.jsonl.gz"
         gzip -9 -n -c "$R/distill/traj.rejected.jsonl" > "$OUT/distill.rejected.jsonl.gz"
     fi
+    export_partial
     cp "$R/times.tsv" "$OUT/times.tsv"
     if [ -n "${SETTINGS:-}" ]; then echo "$SETTINGS" > "$OUT/settings.txt"; fi
+}
+
+export_partial() {  # the start model's unfinished full public sets, whole lines only: the packaged model is
+    local bench d f s  # the same on every machine, so a later one goes on from these rows (a trained model is not)
+    for bench in math500 gsm8k; do
+        d=$R/${bench}_all_start
+        f=$OUT/${bench}_all_start.partial.samples.jsonl.gz
+        if is_done "${bench}_all_start"; then
+            rm -f "$f"
+        elif compgen -G "$d/samples*.jsonl" > /dev/null; then
+            for s in "$d"/samples*.jsonl; do head -n "$(wc -l < "$s")" "$s"; done | sort -u | gzip -9 -n > "$f.tmp"
+            mv "$f.tmp" "$f"
+        fi
+    done
 }
 
 tables() {  # only from the committed files: anyone can recompute them without a model

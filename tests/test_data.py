@@ -712,3 +712,48 @@ def test_recipe_state_files_and_numbers_are_checked_P7(tmp_path):
                         ({"ALL_ROWS": "start sft_grop"}, "PUBLIC / ALL_ROWS: no row 'sft_grop'\n")):
         run = recipe(**extra)
         assert (run.returncode, run.stderr) == (2, line)
+
+
+def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_machine(tmp_path):
+    """tests/faults.md P9. A machine stops inside math500_all_start (rank 0 wrote two rows and half a third,
+    rank 1 one row): the export keeps the three whole rows, sorted, and no torn line. A new machine
+    (runs/ empty) puts them where evaluate.py resumes from (samples.rank0.jsonl, beside the first
+    PUBLIC_N's samples.jsonl); once the part is done, the partial file is removed. A trained row
+    keeps no partial file: its model is retrained on a new machine. Before, the rows were lost."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    rows = [json.dumps(r) for r in recipe_rows([True, False, True, False], ["stop", "length", "stop", "stop"],
+                                               [100, 768, 500, 300])]
+    part = runs / "math500_all_start"
+    part.mkdir(parents=True)
+    (part / "samples.rank0.jsonl").write_text(rows[2] + "\n" + rows[0] + "\n" + rows[3][:9])
+    (part / "samples.rank1.jsonl").write_text(rows[1] + "\n")
+    (runs / "math500_all_sft_grpo_seed1").mkdir()
+    (runs / "math500_all_sft_grpo_seed1" / "samples.rank0.jsonl").write_text(rows[0] + "\n")
+    (runs / "done.txt").write_text("heldout_start\n")
+    mark_done(runs, ["heldout_start"])
+    env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_start"}
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    partial = out / "math500_all_start.partial.samples.jsonl.gz"
+    assert gzip.decompress(partial.read_bytes()).decode() == "".join(sorted(r + "\n" for r in rows[:3]))
+    assert not (out / "math500_all_sft_grpo_seed1.partial.samples.jsonl.gz").exists()
+    assert not (out / "gsm8k_all_start.partial.samples.jsonl.gz").exists()
+
+    shutil.rmtree(runs)  # a new machine: every part done but math500_all_start, which runs (a stand-in)
+    runs.mkdir()
+    math500_start = "".join(r + "\n" for r in rows)  # the first PUBLIC_N (here every problem)
+    (out / "math500_start.samples.jsonl.gz").write_bytes(gzip.compress(math500_start.encode()))
+    (out / "times.tsv").write_text("math500_start\tend\t2026-12-02T00:10:00Z\t600 s\tabc1234\n")
+    mark_done(runs, [p for p in TRAINED + EVALS if p not in ("math500_all_start", "math500_start")])
+    (tmp_path / "all.jsonl").write_text("".join(r + "\n" for r in rows))
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "torchrun").write_text(f"#!/bin/sh\n[ \"$3\" = evaluate.py ] || exit 1\n"
+                                       f"cat {part}/samples.jsonl {part}/samples.rank0.jsonl > {tmp_path}/seen\n"
+                                       f"cp {tmp_path}/all.jsonl {part}/samples.jsonl\n")  # the rest sampled
+    (fake_bin / "torchrun").chmod(0o755)
+    env.update(PARTS="math500_all_start", PATH=f"{fake_bin}:{os.environ['PATH']}")
+    run = subprocess.run(["bash", "data/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "seen").read_text() == math500_start + "".join(sorted(r + "\n" for r in rows[:3]))
+    assert not partial.exists() and (out / "math500_all_start.samples.jsonl.gz").exists()

@@ -100,9 +100,10 @@ def test_from_samples_regrades_with_todays_grader_A19(single, tmp_path, capsys):
 def test_regrading_writes_no_file_it_should_not_B49(single, tmp_path, capsys):
     """tests/faults.md B49: a read-only samples.jsonl is refused before any change; a symlinked
     one has its target rewritten (the link stays a link) with the target's mode kept; a GSM8K
-    gold kept whole by an older reader is graded by its `####` answer; `choices` that is not a
-    list of texts is one line (before: a 0444 file replaced as 0644, the link replaced by a
-    file, `48+24` right against a worked solution, a TypeError traceback)."""
+    gold kept whole by an older reader is graded by its `####` answer; a multiple-choice row
+    of an older run (`choices`) is one line (before: a 0444 file replaced as 0644, the link
+    replaced by a file, `48+24` right against a worked solution, a TypeError traceback on
+    `"choices": 5`)."""
     _, out, _, _ = single
     rows = ev.load_samples(str(out / "samples.jsonl"))
     rows[0].update(pred="1 + 1", correct=True)    # b1 p1, gold 2: regraded wrong
@@ -133,7 +134,7 @@ def test_regrading_writes_no_file_it_should_not_B49(single, tmp_path, capsys):
     assert [r["correct"] for r in ev.load_samples(str(gsm / "samples.jsonl"))] == [False, True]
     (gsm / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert ex.cli(ev.main, ["--from-samples", str(gsm)]) == 2
-    assert "samples.jsonl:3: field 'choices' must be a list of option texts, got 5" in capsys.readouterr().err
+    assert "samples.jsonl:3: field 'choices': multiple-choice samples are not supported" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,8 @@
 """A newcomer's first run: the packaged model's tied head, live progress, the end-of-run
-summary, `evaluate.py --show` and `--plot`. Tiny models and hand-made run folders only."""
+summary and `evaluate.py --show`. Tiny models and hand-made run folders only."""
 import json
 import os
 
-import matplotlib.image
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -148,7 +147,7 @@ def test_grpo_run_ends_with_a_trajectory_the_step_table_and_the_files(tiny_dir, 
     assert "One trajectory of the last step (rank 0):" in text and "problem p" in text
     assert "| step | reward | accuracy | groups with signal |" in text
     assert "\n| 1 | " in text and "\n| 2 | " in text
-    assert f"Files in {os.path.abspath(out)}:" in text and f"python evaluate.py --plot {out}" in text
+    assert f"Files in {os.path.abspath(out)}:" in text
     state = torch.load(os.path.join(out, "latest", "trainer_state_rank0.pt"), weights_only=False)
     assert state["step"] == 2 and "optimizer" not in state and "optimizer_shard" not in state
     grpo.main(["--model", tiny_dir, "--data", str(data), "--out", out, "--prompts-per-step", "2",
@@ -159,7 +158,7 @@ def test_grpo_run_ends_with_a_trajectory_the_step_table_and_the_files(tiny_dir, 
 
 
 # -----------------------------------------------------------------------------
-# evaluate.py --show and --plot
+# evaluate.py --show
 
 
 def _sample_row(i, bench, correct, statuses):
@@ -189,32 +188,3 @@ def test_show_prints_trajectories_with_blocks_and_outputs(tmp_path, capsys):
     assert shown == ex.format_trajectory(rows[0]) + "\n\n" + ex.format_trajectory(rows[1]) + "\n\n"
     assert "block 2 (ok):\nx = 2\nprint(x)\n\n# check\noutput 2:\n2\n" in shown
     assert "block 1 (error):" in shown and "problem q3" not in shown
-
-
-def test_plot_writes_training_curves_and_diagnostics(tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    steps = [{"step": s, "reward_mean": r, "accuracy": r, "model_tokens_per_sample": 300 - 20 * s,
-              "tool_calls_per_sample": 1 + s / 2, "exec_errors_per_sample": 0.5, "zero_var_share": 0.5}
-             for s, r in ((1, 0.125), (2, 0.25), (3, 0.5))]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
-    _eval_folder(tmp_path / "e")
-    assert ex.cli(ev.main, ["--plot", str(run), str(tmp_path / "e")]) == 0
-    curves, diag = run / "training_curves.png", tmp_path / "e" / "diagnostics.png"
-    assert capsys.readouterr().out == f"wrote {curves}\nwrote {diag}\n"
-    for png, shape in ((curves, (256, 1120)), (diag, (272, 1120))):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
-        assert matplotlib.image.imread(png).shape[:2] == shape  # figsize x dpi 80
-    assert not (run / "diagnostics.png").exists() and not (tmp_path / "e" / "training_curves.png").exists()
-
-
-def test_plot_of_a_folder_without_results_is_a_clean_error(tmp_path, capsys):
-    assert ex.cli(ev.main, ["--plot", str(tmp_path)]) == 2
-    assert "neither metrics.jsonl (a grpo.py run) nor samples.jsonl (an evaluation)" in capsys.readouterr().err
-
-
-def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
-    _eval_folder(tmp_path / "e")
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert ex.cli(ev.main, ["--plot", str(tmp_path / "e")]) == 2
-    assert "--plot needs matplotlib, which is not installed: pip install matplotlib" in capsys.readouterr().err

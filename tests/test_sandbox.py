@@ -596,6 +596,9 @@ def test_s6_matplotlib_show_does_not_hang(sb):
         assert r.status == "error"
         assert "ModuleNotFoundError" in r.output or "ImportError" in r.output
         assert "done\n" not in r.output.splitlines(True)  # (the source line shows print("done"))
+    # what makes show() return where matplotlib is installed (CI has none since --plot went): its
+    # backend is the non-interactive Agg, set in the block's environment
+    assert sb.run('import os; print(os.environ.get("MPLBACKEND"))').output == "Agg\n"
 
 
 # -----------------------------------------------------------------------------
@@ -1269,55 +1272,6 @@ def test_rollout_stateful_rows_of_a_group_each_keep_their_own_state(tokenizer, s
         assert s.blocks[1]["status"] == "error" and "NameError" in s.blocks[1]["output"]
 
 
-# -----------------------------------------------------------------------------
-# python executor.py FILE ...: bad input as in every stage (tests/faults.md B6), and --stateful
-
-def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "executor.py"), *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.timeout(60)
-def test_cli_refuses_bad_files_and_flags_in_one_line(tmp_path):
-    good = tmp_path / "ok.py"
-    good.write_text("print('hi')\n")
-    (tmp_path / "bin.py").write_bytes(b"print(1)\x00\x01\x02")
-    (tmp_path / "latin1.py").write_bytes(b"print('caf\xe9')\n")
-    cases = [([str(tmp_path / "missing.py")], "missing.py"), ([str(tmp_path / "bin.py")], "binary"),
-             ([str(tmp_path / "latin1.py")], "UTF-8"), ([str(tmp_path)], "directory"),
-             (["--timeout", "0", str(good)], "--timeout"), (["--timeout", "-1", str(good)], "--timeout"),
-             (["--timeout", "nan", str(good)], "--timeout"), (["--memory-mb", "-5", str(good)], "--memory-mb"),
-             (["--max-output-chars", "-1", str(good)], "--max-output-chars")]
-    for args, says in cases:
-        p = _cli(*args)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and p.stdout == "", (args, p.stdout, p.stderr)
-        assert lines[-1].startswith("executor.py: error: ") and says in lines[-1], (args, p.stderr)
-        assert not any("Traceback" in line for line in lines), p.stderr
-
-
-@pytest.mark.timeout(60)
-def test_cli_prints_what_the_model_sees_with_and_without_output_cap(tmp_path):
-    f = tmp_path / "long.py"
-    f.write_text("print('x' * 3000)\n")
-    p = _cli("--max-output-chars", "0", str(f))
-    assert (p.returncode, p.stdout) == (0, "x" * 3000 + "\n\n")
-    p = _cli("--max-output-chars", "100", str(f))
-    assert p.stdout == "x" * 50 + "\n... [2901 bytes of output cut] ...\n" + "x" * 49 + "\n\n"
-
-
-@pytest.mark.timeout(60)
-def test_cli_stateful_runs_files_as_one_trajectory(tmp_path):
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("x = 20\nprint('a ran')\n")
-    b.write_text("print(x + 1)\n")
-    p = _cli("--stateful", str(a), str(b))
-    assert p.returncode == 0, p.stderr
-    assert p.stdout == f"# {a}\na ran\n\n# {b}\n21\n\n"
-    p = _cli(str(a), str(b))
-    assert f"# {b}\n" in p.stdout and "NameError: name 'x' is not defined" in p.stdout
-
-
 def test_a_closed_sandbox_refuses_blocks_and_leaks_no_descriptor():
     sb = Sandbox(workers=1, timeout=5)
     assert sb.run("print(1)").output == "1\n"
@@ -1811,6 +1765,26 @@ def test_a_shadowed_mount_leaves_blocks_contained_S34(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert (p.stdout, p.stderr) == ("True 65534 False\n", ""), p.stdout + p.stderr
     assert (tmp_path / "keep").read_text() == "keep"
+
+
+@pytest.mark.timeout(60)
+@ROOT_ONLY
+def test_a_mount_inside_a_bound_folder_shows_in_the_blocks_root_S44(tmp_path):
+    """tests/faults.md S44: the interpreter's site-packages a mount of its own inside its bound
+    venv (a volume) holds its files in the block's root, read-only (before: only the venv was
+    bound, alone, so site-packages was the empty folder below the mount: ModuleNotFoundError)."""
+    shutil.copy(os.path.join(ROOT, "executor.py"), tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True, timeout=50)
+    site = glob.glob(str(tmp_path / ".venv/lib/python*/site-packages"))[0]
+    block = "import s44_probe, os\nprint(s44_probe.VALUE, os.access(s44_probe.__file__, os.W_OK))"
+    code = ("import executor as ex\nex._libc('unshare', ex._NEWNS)\nex._mount(None, b'/', None, 1 << 14 | 1 << 18)\n"
+            f"ex._mount(b'tmpfs', {site.encode()!r}, b'tmpfs', 0)\n"
+            f"open({site + '/s44_probe.py'!r}, 'w').write('VALUE = 44\\n')\n"
+            "with ex.Sandbox(workers=1, timeout=10) as sb:\n"
+            f"    r = sb.run({block!r})\n    print(sb.contained, r.status, r.output, end='')\n")
+    p = subprocess.run([str(tmp_path / ".venv/bin/python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=50)
+    assert (p.stdout, p.stderr) == ("True ok 44 False\n", ""), p.stdout + p.stderr
 
 
 @pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ of every def / class inside it), comment-only lines and blank lines. Three total
   full              every definition of the list, the sandbox's internals included;
   to Sandbox.run    the sandbox (marked S in the list) read as its interface, not entered;
   to the line       also not entered: what lies below executor.py's "# Internals" line (the
-                    KV-cache slab, file and progress helpers), read by name and docstring.
+                    grouped attention, file and progress helpers), read by name and docstring.
 --list prints each definition with its counts first. The README quotes two of the totals, read
 from two phrases (the marker: keep them when the README is rewritten):
   "one step is N definitions and M code lines"          to the line
