@@ -816,9 +816,7 @@ def setup_run(args):
                                               args.kv_cache_gb, state, device)
     sft.print0(plan)
     if rank == 0:  # every check passed: the run's first write
-        os.makedirs(args.out, exist_ok=True)
-        executor.lock_run(args.out)
-        executor.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "grpo", **vars(args)})
+        sft.start_run(os.path.join(args.out, "args.json"), "grpo", args, lock=args.out)
     stream = PromptStream(problems, args.seed, rank, world)
     # the rollout copy is loaded in its own dtype: no second fp32 model in host RAM a rank
     policy = None if share else executor.load_model(args.resume or args.model, dtype=str(
