@@ -314,11 +314,14 @@ grpo_run() {  # grpo_run NAME MODEL [EXTRA FLAGS]
     else
         rm -rf "$out"  # killed before its first checkpoint: nothing to continue
     fi
-    # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6
+    # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6.
+    # --shard-optimizer (ZeRO-1, the same AdamW arithmetic): 1.8 GiB a rank less; without it two ranks' updates
+    # peaked past this 24 GB machine (12.3-12.9 GB a rank, round 2's first grpo_seed1 on dd35a7e)
     launch grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
         --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$G" "$ROLLOUT_FLAG" "$ROLLOUT" --lr "$LR" \
         --temperature 0.8 --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" \
-        --micro-batch 2 --chunk-size 256 --grad-checkpointing --save-every 1 --no-save-optimizer --seed 0 \
+        --micro-batch 2 --chunk-size 256 --grad-checkpointing --shard-optimizer --save-every 1 --no-save-optimizer \
+        --seed 0 \
         "$@" "${resume[@]}"
 }
 
