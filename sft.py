@@ -892,7 +892,7 @@ def main(argv=None):
     print0(f"memory plan a rank: model + optimizer state "
            f"{state_gib(sum(p.numel() for p in lm.parameters()), world, args.fsdp, args.shard_optimizer):.1f} GiB")
 
-    # 2) optimizer and resume (the lr is set at every step from this run's --lr, so a new one applies)
+    # 2) optimizer and resume (lr and weight decay are set at every step from this run's flags: new ones apply)
     opt = make_optimizer(model.parameters(), args.lr, args.weight_decay, shard=args.shard_optimizer)
     step, skipped = 0, 0
     if args.resume:
@@ -913,8 +913,8 @@ def main(argv=None):
         m = backward_step(model, mbs, mask_outputs=args.mask_outputs, chunk_size=args.chunk_size,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" and not args.fp32 else None)
         lr = args.lr * cosine_schedule(step, total, warmup, args.min_lr_ratio)
-        for group in opt.param_groups:  # (under ZeRO: the groups its local optimizer copies at each step)
-            group["lr"] = lr
+        for group in opt.param_groups:  # this run's flags, after a resume too (ZeRO's local optimizer copies them)
+            group["lr"], group["weight_decay"] = lr, args.weight_decay
         grad_norm = optimizer_step(model, opt, args.grad_clip)
         skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # steps in a row skipped (tests/faults.md D10)
         step, dt = step + 1, time.perf_counter() - t0

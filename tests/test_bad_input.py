@@ -536,9 +536,12 @@ def test_resumes_refuse_what_decides_the_run_and_apply_the_lr(tiny_dir, files, t
     assert ex.cli(grpo.main, g + ["--resume", tiny_dir]) == 2
     assert f"--resume {tiny_dir}: not a checkpoint directory (no trainer_state_rank0.pt" in capsys.readouterr().err
     assert _tree(tmp_path) == before
-    # a new --lr applies from the resumed step: step 2 at 5e-3 x cosine(1 of 2 steps) = 2.5e-3
-    assert ex.cli(sft.main, resume + ["--lr", "5e-3"]) == 0
+    # a new --lr applies from the resumed step: step 2 at 5e-3 x cosine(1 of 2 steps) = 2.5e-3; so does a new
+    # --weight-decay (plain AdamW's load_state_dict brought back the checkpoint's 0.0)
+    assert ex.cli(sft.main, resume + ["--lr", "5e-3", "--weight-decay", "0.25"]) == 0
     assert [r["lr"] for r in ex.read_jsonl_tolerant(os.path.join(b, "log.jsonl"))] == [2.5e-3]
+    groups = sft.load_trainer_state(os.path.join(b, "final"))["optimizer"]["param_groups"]
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(2.5e-3, 0.25)]
 
 
 def test_grpo_resume_with_another_seed_is_refused(tiny_dir, files, tmp_path, capsys):
