@@ -238,9 +238,8 @@ def main(argv=None):
                   f"under --max-context {args.max_context}", file=sys.stderr, flush=True)
     if rank == 0:  # after the last check (the prompts' lengths): nothing is written before it
         start_run(args_path, "distill", args, lock=out)
-    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // world)
     t0, n_new, n_kept = time.time(), 0, 0
-    with ex.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+    with ex.Sandbox(workers=args.exec_workers, timeout=args.exec_timeout) as sandbox:
         for b in range(0, len(mine) if left else 0, args.batch_size):
             batch = mine[b:b + args.batch_size]
             if all(work_key(p, j) in done for _, p in batch for j in range(k)):

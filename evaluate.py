@@ -626,8 +626,7 @@ def run(args) -> None:
                 b, q, j = mine[n]
                 if (b, q["id"], j) not in done:
                     ex.append_jsonl(my_file, [{**ex.sample_record(q, sample), "benchmark": b, "sample_idx": j}])
-            cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))   # per rank on this node
-            with ex.Sandbox(workers=args.exec_workers or max(1, cpus), timeout=args.exec_timeout) as sandbox:
+            with ex.Sandbox(workers=args.exec_workers, timeout=args.exec_timeout) as sandbox:
                 ex.rollout(model, tok, [prompts[b, q["id"]] for b, q in todo], sandbox, n=args.k,
                            seed=[sample_seed(args.seed, b, q["id"], j) for b, q, j in mine],
                            max_num_seqs=args.max_num_seqs, on_sample=save, progress=rank == 0,

@@ -1203,7 +1203,8 @@ class Sandbox(contextlib.AbstractContextManager):
     is listed in the module docstring.
 
     Args:
-        workers: blocks run at once (default: the CPUs this process may use).
+        workers: blocks run at once (default: this rank's share of the CPUs this process may use,
+            LOCAL_WORLD_SIZE ranks sharing them, at least 1).
         timeout: wall-clock seconds per block (> 0).
         memory_mb: address-space limit per process of a block, and with a cgroup of all its
             processes together, MiB; 0 = none.
@@ -1227,7 +1228,8 @@ class Sandbox(contextlib.AbstractContextManager):
     def __init__(self, workers: int | None = None, timeout: float = 10.0, memory_mb: int = 4096,
                  max_output_chars: int = 2000, max_file_mb: int = 64, python: str = sys.executable,
                  allow_uncontained: bool = False):
-        self.workers = workers or len(os.sched_getaffinity(0))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this node
+        self.workers = workers or max(1, len(os.sched_getaffinity(0)) // ranks_here)
         self.allow_uncontained = allow_uncontained or os.environ.get("THINC_ALLOW_UNCONTAINED") == "1"
         self.timeout, self.memory_mb, self.python = timeout, memory_mb, python
         self.max_output_chars, self.max_file_mb = max_output_chars, max_file_mb

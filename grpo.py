@@ -738,7 +738,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-gb", type=executor.nonneg_float, default=0.0, help="GiB of KV cache a rank; caps "
                    "--max-num-seqs; 0 = 90%% of GPU memory less the training state (none on CPU)")
     p.add_argument("--exec-timeout", type=executor.positive_float, default=10.0, help="seconds per code block")
-    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0, help="sandbox processes; 0 = CPUs a rank")
+    p.add_argument("--exec-workers", type=executor.nonneg_int, default=0,
+                   help="blocks run at once per rank; 0 = CPUs/ranks")
     p.add_argument("--stateful", action="store_true", help="a block sees what earlier blocks defined (Sandbox.run)")
     # optimisation and run
     p.add_argument("--lr", type=executor.unit_float, default=1e-6, help="AdamW learning rate, constant")
@@ -845,10 +846,9 @@ def main(argv=None, reward_fn=None):
     # the loop; rank 0 shows a bar per phase and keeps its last step's samples for the summary
     rank, skipped, samples = proc.rank, 0, []
     show_bars, latest = rank == 0 and not args.no_progress, os.path.join(args.out, "latest")
-    workers = args.exec_workers or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     bar = executor.progress_bar(total=args.steps, initial=step, disable=not show_bars, desc="grpo", unit="step")
     say = bar.write if show_bars else lambda text: None  # (tqdm's write keeps a terminal's bars whole)
-    with executor.Sandbox(workers=workers, timeout=args.exec_timeout) as sandbox:
+    with executor.Sandbox(workers=args.exec_workers, timeout=args.exec_timeout) as sandbox:
         while step < args.steps:
             step += 1
             sync_policy(model, policy)

@@ -1154,6 +1154,17 @@ def test_worker_count_follows_cpu_affinity(tmpdir_for_blocks):
             "with executor.Sandbox(timeout=3) as sb:\n    print(sb.workers)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert p.stdout == "1\n", p.stderr
+    # torchrun's LOCAL_WORLD_SIZE ranks on a node share its CPUs (every stage's default; distill
+    # divided by the WORLD_SIZE of all nodes): 2 CPUs, 2 ranks here -> 1 each; 1 rank -> 2
+    two = sorted(os.sched_getaffinity(0))[:2]
+    assert len(two) == 2  # (CI's machine has 2 cores)
+    code = (f"import os, executor\nos.sched_setaffinity(0, {set(two)})\n"
+            "with executor.Sandbox(timeout=3) as sb:\n    print(sb.workers)\n")
+    for ranks_here, workers in ((None, "2"), ("1", "2"), ("2", "1"), ("4", "1")):
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+        env.update({"LOCAL_WORLD_SIZE": ranks_here} if ranks_here else {})
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50, env=env)
+        assert p.stdout == workers + "\n", (ranks_here, p.stderr)
 
 
 # -----------------------------------------------------------------------------
