@@ -18,6 +18,7 @@ baseline.
     python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
     python data/compare.py --budgets 768,1024,1536,2048 data/recipe/budget.samples.jsonl.gz
     python data/compare.py --seeds a.gz,a1.gz,a2.gz b.gz,b1.gz,b2.gz   # a row per policy, its seeds averaged
+    python data/compare.py --lead data/recipe   # the README's lead tables (lead_tables)
 
 With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
 a sample finishes within B model tokens iff it ended by EOS after at most B (sampling is
@@ -154,6 +155,106 @@ def seed_table(groups: list, draws: int, seed: int) -> None:
               f"{np.mean(accs):.1f} [{min(accs):.1f}, {max(accs):.1f}] | {gain} | {test} |")
 
 
+LEAD_ROWS = (("start", "start (packaged 0.5B)"), ("start_3shot", "start, the 3 exemplars as prior turns"),
+             ("sft", "SFT"), ("grpo", "GRPO from start (no SFT)"), ("sft_grpo", "SFT + GRPO"),
+             ("control", "control: rewards permuted among a rank's samples"),
+             ("control_group", "control: rewards shuffled within each group"))
+
+
+def seed_files(folder: str, name: str) -> list:
+    """The committed samples of one policy's seeds, seed 0 first: NAME.samples.jsonl.gz (round
+    1, --seed 0), then NAME_seed1, NAME_seed2, ... (data/recipe.sh's round 2); [] for none."""
+    seeds = [name] + [f"{name}_seed{s}" for s in range(1, 10)]
+    return [f for f in (os.path.join(folder, f"{n}.samples.jsonl.gz") for n in seeds) if os.path.exists(f)]
+
+
+def holm(ps: list) -> list:
+    """Holm's step-down adjustment of `ps` (family-wise error over the tests together): the
+    i-th smallest (from 0) times (m - i), never below the one before it, at most 1."""
+    adjusted, floor = [0.0] * len(ps), 0.0
+    for i, j in enumerate(sorted(range(len(ps)), key=lambda j: ps[j])):
+        floor = max(floor, min(1.0, (len(ps) - i) * ps[j]))
+        adjusted[j] = floor
+    return adjusted
+
+
+def lead_tables(folder: str, draws: int, seed: int) -> None:
+    """The README's lead, from the committed samples in `folder` (data/recipe/) alone. Held out:
+    a row per policy of LEAD_ROWS that has samples; one seed: its accuracy with Wilson's
+    interval, the gain over the start model with a paired bootstrap interval and the exact
+    McNemar p; several seeds: their mean accuracy (per problem averaged over seeds) with a
+    bootstrap interval over problems and the seeds' range, the gain's sign-flip p. Then SFT +
+    GRPO against GRPO over their seeds (the paper's question), and the public sets (the full
+    rows where both are committed, else the first 100 problems) with McNemar p adjusted by
+    Holm's method for the two sets. Raises InputError for unpaired files."""
+    start = per_problem(os.path.join(folder, "heldout_start.samples.jsonl.gz"))
+    ids = sorted(start)
+    base = np.array([np.mean(start[i][2]) for i in ids])  # (problems,)
+    means = {}
+    print(f"Held out ({len(ids)} problems, k = 1 a seed):\n")
+    print("| policy | seeds | accuracy [95% CI] | gain over start [paired 95% CI] | p (gained, lost) |")
+    print("|---|---|---|---|---|")
+    for row, name in LEAD_ROWS:
+        files = seed_files(folder, f"heldout_{row}")
+        if not files:
+            continue
+        runs = [per_problem(f) for f in files]
+        for f, run in zip(files, runs):
+            check_paired(start, run, os.path.join(folder, "heldout_start.samples.jsonl.gz"), f)
+        mean = np.mean([[np.mean(run[i][2]) for i in ids] for run in runs], axis=0)  # (problems,)
+        means[row] = mean
+        if len(runs) == 1:
+            lo, hi = wilson(int(mean.sum()), len(ids))
+            acc = f"{pct(mean.mean())} [{pct(lo)}, {pct(hi)}]"
+        else:
+            lo, hi = paired_bootstrap(np.zeros(len(ids)), mean, draws, seed)
+            accs = ", ".join(pct(np.mean([run[i][2][0] for i in ids])) for run in runs)
+            acc = f"{pct(mean.mean())} [{pct(lo)}, {pct(hi)}]; seeds {accs}"
+        gain, test = "-", "-"
+        if row != "start":
+            glo, ghi = paired_bootstrap(base, mean, draws, seed)
+            gain = f"{100 * (mean - base).mean():+.1f} [{100 * glo:+.1f}, {100 * ghi:+.1f}]"
+            test = f"{sign_flip_p(mean - base, draws, seed):.3g} (sign-flip)"
+        if row != "start" and len(runs) == 1:  # 0/1 scores: the exact McNemar test
+            b, c = int(((mean == 1) & (base == 0)).sum()), int(((mean == 0) & (base == 1)).sum())
+            test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
+        print(f"| {name} | {len(runs)} | {acc} | {gain} | {test} |")
+    if "grpo" in means and "sft_grpo" in means:
+        diff = means["sft_grpo"] - means["grpo"]
+        lo, hi = paired_bootstrap(means["grpo"], means["sft_grpo"], draws, seed)
+        print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy averaged over their seeds: "
+              f"{100 * diff.mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}], sign-flip p = "
+              f"{sign_flip_p(diff, draws, seed):.3g}")
+    pairs = []
+    for bench, what in (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test")):
+        full = [os.path.join(folder, f"{bench}_all_{r}.samples.jsonl.gz") for r in ("start", "sft_grpo_seed1")]
+        first = [os.path.join(folder, f"{bench}_{r}.samples.jsonl.gz") for r in ("start", "sft_grpo")]
+        for files, which in ((full, "seed 1"), (first, "seed 0")):
+            if all(os.path.exists(f) for f in files):
+                pairs.append((what, which, files))
+                break
+    if not pairs:
+        return
+    rows = []
+    for what, which, files in pairs:
+        a, b = (per_problem(f) for f in files)
+        check_paired(a, b, *files)
+        keys = sorted(a)
+        x, y = (np.array([run[i][2][0] for i in keys]) for run in (a, b))  # (problems,) 0 or 1
+        gained, lost = int(((y == 1) & (x == 0)).sum()), int(((y == 0) & (x == 1)).sum())
+        rows.append((what, which, len(keys), x, y, gained, lost, mcnemar_exact(gained, lost)))
+    print("\nPublic sets (k = 1; p adjusted by Holm's method for the sets together):\n")
+    print("| set | problems | start [95% CI] | SFT + GRPO [95% CI] | gain [paired 95% CI] | McNemar p (gained, lost) "
+          "| Holm p |")
+    print("|---|---|---|---|---|---|---|")
+    for (what, which, n, x, y, gained, lost, p), adj in zip(rows, holm([r[-1] for r in rows])):
+        (xl, xh), (yl, yh) = wilson(int(x.sum()), n), wilson(int(y.sum()), n)
+        lo, hi = paired_bootstrap(x, y, draws, seed)
+        print(f"| {what} | {n} | {pct(x.mean())} [{pct(xl)}, {pct(xh)}] | {pct(y.mean())} [{pct(yl)}, {pct(yh)}] "
+              f"({which}) | {100 * (y - x).mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {p:.3g} ({gained}, "
+              f"{lost}) | {adj:.3g} |")
+
+
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value: b, c >= 0 problems right under only one policy each;
     under no difference each of the b + c is either with probability 1/2, so
@@ -216,6 +317,8 @@ def main(argv=None) -> None:
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
     p.add_argument("--seeds", action="store_true", help="each positional argument is one policy's seeds, "
                                                         "comma-separated files: a row per policy (seed_table)")
+    p.add_argument("--lead", action="store_true", help="the README's lead tables from one folder's committed "
+                                                       "samples (data/recipe/, lead_tables)")
     p.add_argument("--budgets", type=budget_list, help="model tokens, comma-separated (384,768): the finish rate "
                                                          "at each (one file, sampled at the largest)")
     p.add_argument("--max-gain", type=float, default=3.0,
@@ -243,6 +346,11 @@ def main(argv=None) -> None:
             raise ex.InputError(f"{args.samples[0]}: no budget of {sorted(args.budgets)} whose double (also listed) "
                                 f"finishes fewer than {args.max_gain} points more of the samples")
         print(fits[0])
+        return
+    if args.lead:
+        if len(args.samples) != 1 or not os.path.isdir(args.samples[0]):
+            p.error(f"--lead reads one folder (data/recipe), got {' '.join(args.samples)}")
+        lead_tables(args.samples[0], args.draws, args.seed)
         return
     if args.seeds:
         seed_table([group.split(",") for group in args.samples], args.draws, args.seed)

@@ -757,3 +757,48 @@ def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_ma
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "seen").read_text() == math500_start + "".join(sorted(r + "\n" for r in rows[:3]))
     assert not partial.exists() and (out / "math500_all_start.samples.jsonl.gz").exists()
+
+
+def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
+    import compare
+
+    def write(name, scores, problem="What is N?"):
+        rows = [sample_row(f"p{i}", problem.replace("N", str(i)), 0, bool(x)) for i, x in enumerate(scores)]
+        with gzip.open(tmp_path / f"{name}.samples.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    write("heldout_start", [1, 0, 0, 0])
+    write("heldout_grpo", [1, 1, 0, 0])
+    write("heldout_grpo_seed1", [1, 1, 1, 0])
+    write("heldout_sft_grpo", [1, 1, 1, 1])
+    write("heldout_sft_grpo_seed2", [1, 1, 1, 1])  # a missing seed 1 is skipped, not an error
+    write("math500_start", [0, 0, 0, 0, 1, 1])
+    write("math500_sft_grpo", [1, 1, 1, 1, 1, 0])
+    compare.main(["--lead", str(tmp_path), "--draws", "200"])
+    out = capsys.readouterr().out
+    # grpo: per-problem means over its 2 seeds [1, 1, 0.5, 0] = 62.5; gains over start [0, 1, 0.5, 0]:
+    # +37.5, and the sign-flip test's 4 patterns of (1, 0.5) give |sums| 1.5, 0.5, 0.5, 1.5: p = 2/4
+    assert "| GRPO from start (no SFT) | 2 | 62.5 [" in out and "]; seeds 50.0, 75.0 | +37.5 [" in out
+    assert "| +37.5 [" in out and " | 0.5 (sign-flip) |" in out
+    assert "| start (packaged 0.5B) | 1 | 25.0 [" in out and "| SFT + GRPO | 2 | 100.0 [" in out
+    assert "| SFT | " not in out  # no row without its samples
+    # sft_grpo - grpo per problem: [0, 0, 0.5, 1] -> +37.5, the same sign-flip p
+    assert "SFT + GRPO against GRPO alone, per-problem accuracy averaged over their seeds: +37.5 [" in out
+    assert "], sign-flip p = 0.5\n" in out
+    # math500 alone: 4 gained, 1 lost: McNemar 2 (1 + 5) / 32 = 0.375; Holm over one set changes nothing
+    assert "| MATH-500, integer answers | 6 | 33.3 [9.7, 70.0] | 83.3 [43.6, 97.0] (seed 0) | +50.0 [" in out
+    assert out.endswith("| 0.375 (4, 1) | 0.375 |\n")
+    # Holm by hand: the smaller p times 2, the larger at least that
+    assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
+    assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
+    assert compare.holm([0.6, 0.7]) == [1.0, 1.0]
+
+
+def test_readme_lead_is_computed_from_the_committed_samples(capsys):
+    """The README's lead tables are compare.py --lead's output over data/recipe/, line for line."""
+    import compare
+
+    compare.main(["--lead", os.path.join(ROOT, "data", "recipe")])
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    missing = [line for line in capsys.readouterr().out.splitlines() if line and line not in readme]
+    assert not missing, missing
