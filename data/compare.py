@@ -161,11 +161,23 @@ LEAD_ROWS = (("start", "start (packaged 0.5B)"), ("start_3shot", "start, the 3 e
              ("control_group", "control: rewards shuffled within each group"))
 
 
-def seed_files(folder: str, name: str) -> list:
-    """The committed samples of one policy's seeds, seed 0 first: NAME.samples.jsonl.gz (round
-    1, --seed 0), then NAME_seed1, NAME_seed2, ... (data/recipe.sh's round 2); [] for none."""
-    seeds = [name] + [f"{name}_seed{s}" for s in range(1, 10)]
-    return [f for f in (os.path.join(folder, f"{n}.samples.jsonl.gz") for n in seeds) if os.path.exists(f)]
+def seed_files(folder: str, name: str) -> dict:
+    """{seed: path} of one policy's committed samples: NAME.samples.jsonl.gz is seed 0 (round 1's
+    --seed 0), NAME_seedN.samples.jsonl.gz seed N (data/recipe.sh's round 2); {} for none."""
+    pattern = re.compile(re.escape(name) + r"(?:_seed(\d+))?\.samples\.jsonl\.gz")
+    found = {}
+    for f in sorted(os.listdir(folder)):
+        if m := pattern.fullmatch(f):
+            found[int(m.group(1) or 0)] = os.path.join(folder, f)
+    return dict(sorted(found.items()))
+
+
+def one_sample_each(run: dict, path: str) -> np.ndarray:
+    """(problems,) the 0/1 score of each problem of a k = 1 run (`per_problem`), in sorted
+    order. Raises InputError for k > 1: the lead's tests (McNemar, Wilson) are for k = 1."""
+    if any(len(run[i][2]) != 1 for i in run):
+        raise ex.InputError(f"{path}: more than one sample a problem; --lead reads k = 1 runs")
+    return np.array([run[i][2][0] for i in sorted(run)])
 
 
 def holm(ps: list) -> list:
@@ -178,81 +190,91 @@ def holm(ps: list) -> list:
     return adjusted
 
 
+def paired_test(before: np.ndarray, after: np.ndarray, single: bool, draws: int, seed: int) -> str:
+    """The p-value of after against before, (problems,) each: with one seed a side (0/1 scores)
+    the exact McNemar test with (gained, lost); else the sign-flip test on the per-problem
+    means ('<=' where it is the floor of its `draws`)."""
+    if single:
+        b, c = int(((after == 1) & (before == 0)).sum()), int(((after == 0) & (before == 1)).sum())
+        return f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
+    p = sign_flip_p(after - before, draws, seed)
+    return f"{'<= ' if p <= 1 / (draws + 1) else ''}{p:.3g} (sign-flip)"
+
+
+def interval(lo: float, hi: float, signed: bool = False) -> str:
+    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" if signed else f"[{pct(lo)}, {pct(hi)}]"
+
+
 def lead_tables(folder: str, draws: int, seed: int) -> None:
-    """The README's lead, from the committed samples in `folder` (data/recipe/) alone. Held out:
-    a row per policy of LEAD_ROWS that has samples; one seed: its accuracy with Wilson's
-    interval, the gain over the start model with a paired bootstrap interval and the exact
-    McNemar p; several seeds: their mean accuracy (per problem averaged over seeds) with a
-    bootstrap interval over problems and the seeds' range, the gain's sign-flip p. Then SFT +
-    GRPO against GRPO over their seeds (the paper's question), and the public sets (the full
-    rows where both are committed, else the first 100 problems) with McNemar p adjusted by
-    Holm's method for the two sets. Raises InputError for unpaired files."""
-    start = per_problem(os.path.join(folder, "heldout_start.samples.jsonl.gz"))
-    ids = sorted(start)
-    base = np.array([np.mean(start[i][2]) for i in ids])  # (problems,)
-    means = {}
-    print(f"Held out ({len(ids)} problems, k = 1 a seed):\n")
+    """The README's lead, from the committed k = 1 samples in `folder` (data/recipe/) alone.
+    Held out: a row per policy of LEAD_ROWS that has samples. One seed: its accuracy with
+    Wilson's interval, the gain over the start model with a paired bootstrap interval and the
+    exact McNemar test. Several seeds (each named): the mean accuracy (per problem, averaged
+    over seeds) with a bootstrap interval over problems (it covers which problems were drawn,
+    not the seeds' spread: that is their range), and the sign-flip test. Then SFT + GRPO
+    against GRPO over the seeds both have (the paper's question), and the public sets: the
+    full rows where both sets have them, else the first 100 problems of both, with McNemar's
+    p adjusted by Holm's method over the two. Raises InputError for unpaired files or k > 1."""
+    start_path = os.path.join(folder, "heldout_start.samples.jsonl.gz")
+    start = per_problem(start_path)
+    base = one_sample_each(start, start_path)  # (problems,)
+    scores = {}  # row -> {seed: (problems,) 0/1}
+    print(f"Held out ({len(base)} problems, k = 1 a seed):\n")
     print("| policy | seeds | accuracy [95% CI] | gain over start [paired 95% CI] | p (gained, lost) |")
     print("|---|---|---|---|---|")
     for row, name in LEAD_ROWS:
         files = seed_files(folder, f"heldout_{row}")
         if not files:
             continue
-        runs = [per_problem(f) for f in files]
-        for f, run in zip(files, runs):
-            check_paired(start, run, os.path.join(folder, "heldout_start.samples.jsonl.gz"), f)
-        mean = np.mean([[np.mean(run[i][2]) for i in ids] for run in runs], axis=0)  # (problems,)
-        means[row] = mean
-        if len(runs) == 1:
-            lo, hi = wilson(int(mean.sum()), len(ids))
-            acc = f"{pct(mean.mean())} [{pct(lo)}, {pct(hi)}]"
-        else:
-            lo, hi = paired_bootstrap(np.zeros(len(ids)), mean, draws, seed)
-            accs = ", ".join(pct(np.mean([run[i][2][0] for i in ids])) for run in runs)
-            acc = f"{pct(mean.mean())} [{pct(lo)}, {pct(hi)}]; seeds {accs}"
+        runs = {s: per_problem(f) for s, f in files.items()}
+        for s, run in runs.items():
+            check_paired(start, run, start_path, files[s])
+        scores[row] = {s: one_sample_each(run, files[s]) for s, run in runs.items()}
+        mean = np.mean(list(scores[row].values()), axis=0)  # (problems,)
+        single = len(runs) == 1
+        lo, hi = wilson(int(mean.sum()), len(mean)) if single else \
+            paired_bootstrap(np.zeros(len(mean)), mean, draws, seed)
+        acc = f"{pct(mean.mean())} {interval(lo, hi)}"
+        if not single:
+            acc += "; seeds " + ", ".join(f"{s}: {pct(x.mean())}" for s, x in scores[row].items())
         gain, test = "-", "-"
         if row != "start":
             glo, ghi = paired_bootstrap(base, mean, draws, seed)
-            gain = f"{100 * (mean - base).mean():+.1f} [{100 * glo:+.1f}, {100 * ghi:+.1f}]"
-            test = f"{sign_flip_p(mean - base, draws, seed):.3g} (sign-flip)"
-        if row != "start" and len(runs) == 1:  # 0/1 scores: the exact McNemar test
-            b, c = int(((mean == 1) & (base == 0)).sum()), int(((mean == 0) & (base == 1)).sum())
-            test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
-        print(f"| {name} | {len(runs)} | {acc} | {gain} | {test} |")
-    if "grpo" in means and "sft_grpo" in means:
-        diff = means["sft_grpo"] - means["grpo"]
-        lo, hi = paired_bootstrap(means["grpo"], means["sft_grpo"], draws, seed)
-        print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy averaged over their seeds: "
-              f"{100 * diff.mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}], sign-flip p = "
-              f"{sign_flip_p(diff, draws, seed):.3g}")
-    pairs = []
-    for bench, what in (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test")):
-        full = [os.path.join(folder, f"{bench}_all_{r}.samples.jsonl.gz") for r in ("start", "sft_grpo_seed1")]
-        first = [os.path.join(folder, f"{bench}_{r}.samples.jsonl.gz") for r in ("start", "sft_grpo")]
-        for files, which in ((full, "seed 1"), (first, "seed 0")):
-            if all(os.path.exists(f) for f in files):
-                pairs.append((what, which, files))
-                break
-    if not pairs:
+            gain = f"{100 * (mean - base).mean():+.1f} {interval(glo, ghi, True)}"
+            test = paired_test(base, mean, single, draws, seed)
+        print(f"| {name} | {', '.join(map(str, scores[row]))} | {acc} | {gain} | {test} |")
+    both = sorted(set(scores.get("grpo", {})) & set(scores.get("sft_grpo", {})))
+    if both:
+        a, b = (np.mean([scores[r][s] for s in both], axis=0) for r in ("grpo", "sft_grpo"))
+        lo, hi = paired_bootstrap(a, b, draws, seed)
+        print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy over seeds {', '.join(map(str, both))} of "
+              f"each: {100 * (b - a).mean():+.1f} {interval(lo, hi, True)}, p = "
+              f"{paired_test(a, b, len(both) == 1, draws, seed)}")
+    sets = (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test"))
+    full = {bench: [f"{bench}_all_start", f"{bench}_all_sft_grpo_seed1"] for bench, _ in sets}
+    first = {bench: [f"{bench}_start", f"{bench}_sft_grpo"] for bench, _ in sets}
+    for names, which in ((full, "seed 1"), (first, "seed 0")):
+        paths = {bench: [os.path.join(folder, f"{n}.samples.jsonl.gz") for n in names[bench]] for bench, _ in sets}
+        if all(os.path.exists(f) for fs in paths.values() for f in fs):
+            break
+    else:
         return
     rows = []
-    for what, which, files in pairs:
-        a, b = (per_problem(f) for f in files)
-        check_paired(a, b, *files)
-        keys = sorted(a)
-        x, y = (np.array([run[i][2][0] for i in keys]) for run in (a, b))  # (problems,) 0 or 1
+    for bench, what in sets:
+        (pa, a), (pb, b) = ((f, per_problem(f)) for f in paths[bench])
+        check_paired(a, b, pa, pb)
+        x, y = one_sample_each(a, pa), one_sample_each(b, pb)  # (problems,) each
         gained, lost = int(((y == 1) & (x == 0)).sum()), int(((y == 0) & (x == 1)).sum())
-        rows.append((what, which, len(keys), x, y, gained, lost, mcnemar_exact(gained, lost)))
-    print("\nPublic sets (k = 1; p adjusted by Holm's method for the sets together):\n")
+        rows.append((what, x, y, gained, lost, mcnemar_exact(gained, lost)))
+    print(f"\nPublic sets (k = 1; SFT + GRPO's {which}; p adjusted by Holm's method for the two sets):\n")
     print("| set | problems | start [95% CI] | SFT + GRPO [95% CI] | gain [paired 95% CI] | McNemar p (gained, lost) "
           "| Holm p |")
     print("|---|---|---|---|---|---|---|")
-    for (what, which, n, x, y, gained, lost, p), adj in zip(rows, holm([r[-1] for r in rows])):
-        (xl, xh), (yl, yh) = wilson(int(x.sum()), n), wilson(int(y.sum()), n)
+    for (what, x, y, gained, lost, p), adj in zip(rows, holm([r[-1] for r in rows])):
         lo, hi = paired_bootstrap(x, y, draws, seed)
-        print(f"| {what} | {n} | {pct(x.mean())} [{pct(xl)}, {pct(xh)}] | {pct(y.mean())} [{pct(yl)}, {pct(yh)}] "
-              f"({which}) | {100 * (y - x).mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {p:.3g} ({gained}, "
-              f"{lost}) | {adj:.3g} |")
+        print(f"| {what} | {len(x)} | {pct(x.mean())} {interval(*wilson(int(x.sum()), len(x)))} | {pct(y.mean())} "
+              f"{interval(*wilson(int(y.sum()), len(y)))} | {100 * (y - x).mean():+.1f} {interval(lo, hi, True)} | "
+              f"{p:.3g} ({gained}, {lost}) | {adj:.3g} |")
 
 
 def mcnemar_exact(b: int, c: int) -> float:

@@ -762,43 +762,58 @@ def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_ma
 def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     import compare
 
-    def write(name, scores, problem="What is N?"):
-        rows = [sample_row(f"p{i}", problem.replace("N", str(i)), 0, bool(x)) for i, x in enumerate(scores)]
+    def write(name, scores, k=1):
+        rows = [sample_row(f"p{i}", f"What is {i}?", j, bool(x)) for i, x in enumerate(scores) for j in range(k)]
         with gzip.open(tmp_path / f"{name}.samples.jsonl.gz", "wt") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     write("heldout_start", [1, 0, 0, 0])
     write("heldout_grpo", [1, 1, 0, 0])
     write("heldout_grpo_seed1", [1, 1, 1, 0])
+    write("heldout_grpo_seed2", [1, 0, 1, 0])
     write("heldout_sft_grpo", [1, 1, 1, 1])
-    write("heldout_sft_grpo_seed2", [1, 1, 1, 1])  # a missing seed 1 is skipped, not an error
+    write("heldout_sft_grpo_seed2", [1, 1, 1, 1])  # no seed 1 (yet): the comparison takes seeds 0 and 2
+    write("heldout_control_group", [0, 0, 0, 0])
     write("math500_start", [0, 0, 0, 0, 1, 1])
     write("math500_sft_grpo", [1, 1, 1, 1, 1, 0])
+    write("gsm8k_start", [0, 0, 0, 0])
+    write("gsm8k_sft_grpo", [1, 1, 0, 0])
+    write("math500_all_start", [0, 1])  # a full pair for one set only: both tables stay on the first 100
+    write("math500_all_sft_grpo_seed1", [1, 1])
     compare.main(["--lead", str(tmp_path), "--draws", "200"])
     out = capsys.readouterr().out
-    # grpo: per-problem means over its 2 seeds [1, 1, 0.5, 0] = 62.5; gains over start [0, 1, 0.5, 0]:
-    # +37.5, and the sign-flip test's 4 patterns of (1, 0.5) give |sums| 1.5, 0.5, 0.5, 1.5: p = 2/4
-    assert "| GRPO from start (no SFT) | 2 | 62.5 [" in out and "]; seeds 50.0, 75.0 | +37.5 [" in out
-    assert "| +37.5 [" in out and " | 0.5 (sign-flip) |" in out
-    assert "| start (packaged 0.5B) | 1 | 25.0 [" in out and "| SFT + GRPO | 2 | 100.0 [" in out
-    assert "| SFT | " not in out  # no row without its samples
-    # sft_grpo - grpo per problem: [0, 0, 0.5, 1] -> +37.5, the same sign-flip p
-    assert "SFT + GRPO against GRPO alone, per-problem accuracy averaged over their seeds: +37.5 [" in out
-    assert "], sign-flip p = 0.5\n" in out
-    # math500 alone: 4 gained, 1 lost: McNemar 2 (1 + 5) / 32 = 0.375; Holm over one set changes nothing
-    assert "| MATH-500, integer answers | 6 | 33.3 [9.7, 70.0] | 83.3 [43.6, 97.0] (seed 0) | +50.0 [" in out
-    assert out.endswith("| 0.375 (4, 1) | 0.375 |\n")
+    # grpo: per-problem means over seeds 0-2 [1, 2/3, 2/3, 0] = 58.3; gains over start [0, 2/3, 2/3, 0]: +33.3,
+    # and the sign-flip test's 4 patterns give |sums| 4/3, 0, 0, 4/3: p = 2/4
+    assert "| GRPO from start (no SFT) | 0, 1, 2 | 58.3 [" in out
+    assert "]; seeds 0: 50.0, 1: 75.0, 2: 50.0 | +33.3 [" in out and "| 0.5 (sign-flip) |" in out
+    assert "| start (packaged 0.5B) | 0 | 25.0 [" in out and "| SFT + GRPO | 0, 2 | 100.0 [" in out
+    # one seed, 0/1 scores: Wilson's interval (0 of 4: [0, 49.0]) and McNemar (0 gained, 1 lost: p = 1)
+    assert "| control: rewards shuffled within each group | 0 | 0.0 [0.0, 49.0] | -25.0 [" in out
+    assert "| 1 (0, 1) |" in out and "| SFT | " not in out  # no row without its samples
+    # seeds 0 and 2 of each: grpo [1, 0.5, 0.5, 0], sft_grpo all 1: +50.0; |sums| of (0.5, 0.5, 1): p = 2/8
+    assert "per-problem accuracy over seeds 0, 2 of each: +50.0 [" in out and "], p = 0.25 (sign-flip)\n" in out
+    # math500: 4 gained, 1 lost: McNemar 2 (1 + 5) / 32 = 0.375; gsm8k 2, 0: 2 / 4 = 0.5; Holm: 0.75, then 0.75
+    assert "(k = 1; SFT + GRPO's seed 0; p adjusted by Holm's method for the two sets)" in out
+    assert "| MATH-500, integer answers | 6 | 33.3 [9.7, 70.0] | 83.3 [43.6, 97.0] | +50.0 [" in out
+    assert "| 0.375 (4, 1) | 0.75 |\n" in out and out.endswith("| 0.5 (2, 0) | 0.75 |\n")
     # Holm by hand: the smaller p times 2, the larger at least that
     assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
     assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
     assert compare.holm([0.6, 0.7]) == [1.0, 1.0]
+    # k = 2 is refused (McNemar and Wilson are for one sample a problem)
+    write("heldout_start", [1, 0, 0, 0], k=2)
+    with pytest.raises(ex.InputError, match=r"heldout_start.samples.jsonl.gz: more than one sample a problem"):
+        compare.main(["--lead", str(tmp_path), "--draws", "200"])
 
 
 def test_readme_lead_is_computed_from_the_committed_samples(capsys):
-    """The README's lead tables are compare.py --lead's output over data/recipe/, line for line."""
+    """The README's lead tables are compare.py --lead's output over data/recipe/, the block from
+    its first line to its last, exactly."""
     import compare
 
     compare.main(["--lead", os.path.join(ROOT, "data", "recipe")])
+    lead = capsys.readouterr().out.strip()
     readme = open(os.path.join(ROOT, "README.md")).read()
-    missing = [line for line in capsys.readouterr().out.splitlines() if line and line not in readme]
-    assert not missing, missing
+    first, last = lead.splitlines()[0], lead.splitlines()[-1]
+    assert first in readme and last in readme
+    assert readme[readme.index(first):readme.index(last) + len(last)] == lead
