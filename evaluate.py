@@ -6,7 +6,7 @@ sample j of every problem forms run j. Metrics, as the paper reports them:
 
     avg@k   = 1/k sum_j acc(run j), reported +- the std of acc(run j) over the k runs
     pass@k  = mean_problems [1 - C(n - c, k) / C(n, k)]      (Chen et al. 2021, unbiased)
-    best@k  = pass@k at the full k (the paper's name: best@16 on GPQA-Diamond)
+    best@k  = pass@k at the full k (the paper reports best@16; multiple-choice sets are not read here)
     maj@k   = mean_problems 1[the most frequent answer (grouped by grade) is correct]
     code-grounded rate = share of answered samples whose answer appears in an execution output
     Recovery@k (k = 1..5) = accuracy among samples whose first k code blocks all failed
