@@ -315,12 +315,14 @@ grpo_run() {  # grpo_run NAME MODEL [EXTRA FLAGS]
         rm -rf "$out"  # killed before its first checkpoint: nothing to continue
     fi
     # AdamW restarts on a resume (weights-only checkpoints, --no-save-optimizer): 2 GB a step, not 6.
-    # --shard-optimizer (ZeRO-1, the same AdamW arithmetic): 1.8 GiB a rank less; without it two ranks' updates
-    # peaked past this 24 GB machine (12.3-12.9 GB a rank, round 2's first grpo_seed1 on dd35a7e)
+    # Two ranks' updates peaked past this 24 GB machine at micro-batch 2 (12.3-12.9 GB a rank on dd35a7e;
+    # 11.4 with --shard-optimizer on 7fb6f46): since then micro-batch 1 (a 2 x 2,048-token micro-batch's
+    # forward and backward take 3.4 GB above the weights and gradients, one of 2,048 1.3 GB; the loss is the
+    # same, its normaliser fixed over the step) and ZeRO-1 (the same AdamW arithmetic, 1.8 GiB a rank less)
     launch grpo.py --model "$model" --data data/exact_train.jsonl --out "$out" \
         --steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$G" "$ROLLOUT_FLAG" "$ROLLOUT" --lr "$LR" \
         --temperature 0.8 --max-context $((B + 1536)) --max-new-tokens "$B" --max-tool-calls "$TOOLS" \
-        --micro-batch 2 --chunk-size 256 --grad-checkpointing --shard-optimizer --save-every 1 --no-save-optimizer \
+        --micro-batch 1 --chunk-size 256 --grad-checkpointing --shard-optimizer --save-every 1 --no-save-optimizer \
         --seed 0 \
         "$@" "${resume[@]}"
 }
