@@ -190,18 +190,25 @@ def holm(ps: list) -> list:
     return adjusted
 
 
+def gained_lost(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
+    """(problems right only after, right only before) of two (problems,) 0/1 score arrays:
+    McNemar's discordant pairs (b, c)."""
+    return int(((after == 1) & (before == 0)).sum()), int(((after == 0) & (before == 1)).sum())
+
+
 def paired_test(before: np.ndarray, after: np.ndarray, single: bool, draws: int, seed: int) -> str:
     """The p-value of after against before, (problems,) each: with one seed a side (0/1 scores)
     the exact McNemar test with (gained, lost); else the sign-flip test on the per-problem
     means ('<=' where it is the floor of its `draws`)."""
     if single:
-        b, c = int(((after == 1) & (before == 0)).sum()), int(((after == 0) & (before == 1)).sum())
+        b, c = gained_lost(before, after)
         return f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
     p = sign_flip_p(after - before, draws, seed)
     return f"{'<= ' if p <= 1 / (draws + 1) else ''}{p:.3g} (sign-flip)"
 
 
 def interval(lo: float, hi: float, signed: bool = False) -> str:
+    """'[lo, hi]' of two fractions in percent, one decimal; `signed`: with signs (a gain's)."""
     return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" if signed else f"[{pct(lo)}, {pct(hi)}]"
 
 
@@ -264,7 +271,7 @@ def lead_tables(folder: str, draws: int, seed: int) -> None:
         (pa, a), (pb, b) = ((f, per_problem(f)) for f in paths[bench])
         check_paired(a, b, pa, pb)
         x, y = one_sample_each(a, pa), one_sample_each(b, pb)  # (problems,) each
-        gained, lost = int(((y == 1) & (x == 0)).sum()), int(((y == 0) & (x == 1)).sum())
+        gained, lost = gained_lost(x, y)
         rows.append((what, x, y, gained, lost, mcnemar_exact(gained, lost)))
     print(f"\nPublic sets (k = 1; SFT + GRPO's {which}; p adjusted by Holm's method for the two sets):\n")
     print("| set | problems | start [95% CI] | SFT + GRPO [95% CI] | gain [paired 95% CI] | McNemar p (gained, lost) "
@@ -401,7 +408,7 @@ def main(argv=None) -> None:
         glo, ghi = paired_bootstrap(first, scores, args.draws, args.seed)
         gain = f"{100 * (scores - first).mean():+.1f} [{100 * glo:+.1f}, {100 * ghi:+.1f}]"
         # at k = 1 a problem's score is 0 or 1: b problems right only here, c only in the first
-        b, c = int(((scores == 1) & (first == 0)).sum()), int(((scores == 0) & (first == 1)).sum())
+        b, c = gained_lost(first, scores)
         test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})" if k == 1 else "-"
         if run is runs[0]:
             gain, test = "-", "-"
