@@ -17,7 +17,6 @@ baseline.
 
     python data/compare.py --families runs/recipe/heldout_start/samples.jsonl runs/recipe/heldout_grpo/samples.jsonl
     python data/compare.py --budgets 768,1024,1536,2048 data/recipe/budget.samples.jsonl.gz
-    python data/compare.py --seeds a.gz,a1.gz,a2.gz b.gz,b1.gz,b2.gz   # a row per policy, its seeds averaged
     python data/compare.py --lead data/recipe   # the README's lead tables (lead_tables)
 
 With --budgets (one file, sampled at the largest budget), the finish rate at each budget:
@@ -127,32 +126,6 @@ def sign_flip_p(diffs: np.ndarray, draws: int, seed: int, exact_up_to: int = 16)
         return float((np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).mean())
     signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=(draws, len(nonzero)))
     return float((1 + (np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).sum()) / (draws + 1))
-
-
-def seed_table(groups: list, draws: int, seed: int) -> None:
-    """One row per policy trained with several seeds (`groups`: lists of samples files of the
-    same problems, k = 1, one file a seed): each seed's accuracy, their mean and range, and the
-    gain of the per-problem mean accuracy over the first policy's with a paired bootstrap
-    interval and the sign-flip p-value. Raises InputError for unpaired files."""
-    runs = [[per_problem(path) for path in group] for group in groups]
-    first_run, first_path = runs[0][0], groups[0][0]
-    for group, rs in zip(groups, runs):
-        for path, run in zip(group, rs):
-            check_paired(first_run, run, first_path, path)
-    ids = sorted(first_run)
-    means = [np.mean([[np.mean(run[i][2]) for i in ids] for run in rs], axis=0) for rs in runs]  # (problems,) each
-    print(f"{len(ids)} problems; per-problem accuracy averaged over seeds; gains are over {label(groups[0][0])}\n")
-    print("| policy | seeds | accuracy per seed | mean [range] | gain [95% paired CI] | sign-flip p |")
-    print("|---|---|---|---|---|---|")
-    for group, rs, mean in zip(groups, runs, means):
-        accs = [100 * np.mean([np.mean(run[i][2]) for i in ids]) for run in rs]
-        gain, test = "-", "-"
-        if mean is not means[0]:
-            lo, hi = paired_bootstrap(means[0], mean, draws, seed)
-            gain = f"{100 * (mean - means[0]).mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-            test = f"{sign_flip_p(mean - means[0], draws, seed):.3g}"
-        print(f"| {label(group[0])} | {len(rs)} | {', '.join(f'{a:.1f}' for a in accs)} | "
-              f"{np.mean(accs):.1f} [{min(accs):.1f}, {max(accs):.1f}] | {gain} | {test} |")
 
 
 LEAD_ROWS = (("start", "start (packaged 0.5B)"), ("start_3shot", "start, the 3 exemplars as prior turns"),
@@ -344,8 +317,6 @@ def main(argv=None) -> None:
     p.add_argument("samples", nargs="+", help="samples.jsonl[.gz] of each policy, the same problems and k; "
                                               "the first is the one the others are compared with")
     p.add_argument("--families", action="store_true", help="also the right samples per problem family")
-    p.add_argument("--seeds", action="store_true", help="each positional argument is one policy's seeds, "
-                                                        "comma-separated files: a row per policy (seed_table)")
     p.add_argument("--lead", action="store_true", help="the README's lead tables from one folder's committed "
                                                        "samples (data/recipe/, lead_tables)")
     p.add_argument("--budgets", type=budget_list, help="model tokens, comma-separated (384,768): the finish rate "
@@ -380,9 +351,6 @@ def main(argv=None) -> None:
         if len(args.samples) != 1 or not os.path.isdir(args.samples[0]):
             p.error(f"--lead reads one folder (data/recipe), got {' '.join(args.samples)}")
         lead_tables(args.samples[0], args.draws, args.seed)
-        return
-    if args.seeds:
-        seed_table([group.split(",") for group in args.samples], args.draws, args.seed)
         return
     records = [load(path) for path in args.samples]
     runs = [per_problem(path, rs) for path, rs in zip(args.samples, records)]

@@ -438,19 +438,11 @@ tables() {  # only from the committed files: anyone can recompute them without a
                 python data/compare.py "$OUT/heldout_$1.samples.jsonl.gz" "$OUT/heldout_$2.samples.jsonl.gz"
             fi
         done
-        local seeds=()
-        for row in grpo sft_grpo; do  # round 2: each policy's seeds averaged problem by problem
-            local files=$OUT/heldout_$row.samples.jsonl.gz
-            for f in "$OUT/heldout_${row}_seed"*.samples.jsonl.gz; do
-                if [ -f "$f" ]; then files="$files,$f"; fi
-            done
-            seeds+=("$files")
-        done
-        if [[ "${seeds[0]}" == *,* ]] && [[ "${seeds[1]}" == *,* ]]; then
+        if [ -f "$OUT/heldout_start.samples.jsonl.gz" ]; then
             echo
-            echo "## Held out: sft_grpo against grpo over their seeds"
+            echo "## The README's lead: each policy over its seeds, sft_grpo against grpo, the public sets"
             echo
-            python data/compare.py --seeds "${seeds[@]}"
+            python data/compare.py --lead "$OUT"
         fi
         local set bench rows_of_set what
         for set in "math500_all:$ALL_ROWS:every problem" "gsm8k_all:$ALL_ROWS:first $PUBLIC_ALL_N problems" \

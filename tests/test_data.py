@@ -349,25 +349,19 @@ def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_
         "plan_tokens\n"
 
 
-def test_wilson_intervals_and_the_seeds_table(tmp_path, capsys):
+def test_wilson_interval_bootstrap_and_sign_flip_by_hand():
     """Wilson's interval by hand: 0 of 100 is [0, z^2 / (100 + z^2)] = [0.0, 3.7]; 1 of 4 is
-    [4.6, 69.9]. Seeds: policy a right on p1 | p1, p2 (per-problem means 1, .5, 0, 0; 25 and 50),
-    b on p1-p3 | p1, p2, p4 (1, 1, .5, .5; 75 and 75): gain +37.5, differences 0, .5, .5, .5;
-    the bootstrap mean of 4 resampled is 0.125 or less in 5.1% and 0.5 in 31.6% of draws, so
-    [+12.5, +50.0]; sign flips of the three .5s reach |sum| 1.5 in 2 of 8 patterns: p = 0.25."""
+    [4.6, 69.9]. Per-problem means over two seeds, a: 1, .5, 0, 0 and b: 1, 1, .5, .5:
+    differences 0, .5, .5, .5 (mean +37.5); the bootstrap mean of 4 resampled is 0.125 or less
+    in 5.1% and 0.5 in 31.6% of draws, so [+12.5, +50.0]; sign flips of the three .5s reach
+    |sum| 1.5 in 2 of 8 patterns: p = 0.25."""
     import compare
 
     assert [round(100 * x, 1) for x in compare.wilson(0, 100)] == [0.0, 3.7]
     assert [round(100 * x, 1) for x in compare.wilson(1, 4)] == [4.6, 69.9]
-    files = {}
-    for name, right in (("a0", [1, 0, 0, 0]), ("a1", [1, 1, 0, 0]), ("b0", [1, 1, 1, 0]), ("b1", [1, 1, 0, 1])):
-        rows = recipe_rows([bool(r) for r in right], ["stop"] * 4, [100] * 4)
-        files[name] = tmp_path / f"{name}.samples.jsonl"
-        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    compare.main(["--seeds", f"{files['a0']},{files['a1']}", f"{files['b0']},{files['b1']}"])
-    assert capsys.readouterr().out.splitlines()[-2:] == [
-        "| a0 | 2 | 25.0, 50.0 | 37.5 [25.0, 50.0] | - | - |",
-        "| b0 | 2 | 75.0, 75.0 | 75.0 [75.0, 75.0] | +37.5 [+12.5, +50.0] | 0.25 |"]
+    a, b = np.array([1, 0.5, 0, 0]), np.array([1, 1, 0.5, 0.5])
+    assert compare.paired_bootstrap(a, b, 10000, 0) == (0.125, 0.5)
+    assert compare.sign_flip_p(b - a, 10000, 0) == 0.25
     assert compare.sign_flip_p(np.array([0.5, 0.5, 0.5, 0.0]), 10, 0, exact_up_to=0) >= 1 / 11   # sampled
 
 
@@ -457,11 +451,14 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert "| What is N \\times N? | 2 | 50.0% (20) | 1 of 2 | 1 of 2 | 1 of 2 | 2 of 2 |" + " 1 of 2 |" * 7 in tables
     assert "## Held out (data/exact_test.jsonl, k = 1); gains over heldout_start" in tables
     # three files a policy: grpo's per-problem means 1, 1/3, 1/3, 0 (its seed 0 right on p1-p3, the others on p1),
-    # sft_grpo's 1, 0, 0, 0: differences 0, -1/3, -1/3, 0; sign flips reach |sum| 2/3 in 2 of 4 patterns
-    seeds = tables.index("## Held out: sft_grpo against grpo over their seeds")
-    assert tables[seeds + 6:seeds + 8] == [
-        "| heldout_grpo | 3 | 75.0, 25.0, 25.0 | 41.7 [25.0, 75.0] | - | - |",
-        "| heldout_sft_grpo | 3 | 25.0, 25.0, 25.0 | 25.0 [25.0, 25.0] | -16.7 [-33.3, +0.0] | 0.5 |"]
+    # sft_grpo's 1, 0, 0, 0: differences 0, -1/3, -1/3, 0; sign flips reach |sum| 2/3 in 2 of 4 patterns. Four
+    # problems resampled: a mean of 1/12 or less (four 0s, or three and one 1/3) in 1/256 + 4 / 128 = 3.5% of
+    # draws, 5/6 or more (the mirror) in 3.5%: grpo's interval [8.3, 83.3]
+    lead = tables.index("## The README's lead: each policy over its seeds, sft_grpo against grpo, the public sets")
+    assert "| GRPO from start (no SFT) | 0, 1, 2 | 41.7 [8.3, 83.3]; seeds 0: 75.0, 1: 25.0, 2: 25.0 | " \
+        "+16.7 [+0.0, +33.3] | 0.5 (sign-flip) |" in tables[lead:]
+    assert "SFT + GRPO against GRPO alone, per-problem accuracy over seeds 0, 1, 2 of each: -16.7 [-33.3, +0.0], " \
+        "p = 0.5 (sign-flip)" in tables[lead:]
 
 
 @pytest.mark.timeout(60)
