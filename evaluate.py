@@ -584,7 +584,7 @@ def run(args) -> None:
     done = merged_samples(args.out)
     check_resume(args, args.out, done, benches)
 
-    from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, weights_gib
+    from sft import barrier, cleanup_distributed, memory_plan, print0, setup_distributed, start_run, weights_gib
 
     # gloo even on GPUs: the only collective is the end-of-run barrier, which waits for the
     # slowest rank (hence the long timeout; NCCL's default, 10 min, is far shorter than
@@ -610,10 +610,9 @@ def run(args) -> None:
                                     f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                     "raise it, or remove those problems")
         # nothing is written before the prompts are measured (the last check)
-        os.makedirs(args.out, exist_ok=True)
-        ex.lock_run(args.out)  # (a run started meanwhile into a new --out: one of the two goes on)
-        if rank == 0:  # one writer: ranks on other nodes may share --out and their pids
-            ex.write_json_atomic(os.path.join(args.out, "args.json"), {"stage": "evaluate", **vars(args)})
+        os.makedirs(args.out, exist_ok=True)  # every rank: a rank on another node writes its own file here
+        if rank == 0:  # one writer; its lock: a run started meanwhile into a new --out, one of the two goes on
+            start_run(os.path.join(args.out, "args.json"), "evaluate", args, args.out)
 
         # 2) rollouts: one call for all of this rank's problems; each sample is appended to this
         #    rank's file as it finishes. No collective in here: ranks finish at different times.
