@@ -186,15 +186,28 @@ def interval(lo: float, hi: float, signed: bool = False) -> str:
 
 
 def lead_tables(folder: str, draws: int, seed: int) -> None:
-    """The README's lead, from the committed k = 1 samples in `folder` (data/recipe/) alone.
-    Held out: a row per policy of LEAD_ROWS that has samples. One seed: its accuracy with
-    Wilson's interval, the gain over the start model with a paired bootstrap interval and the
-    exact McNemar test. Several seeds (each named): the mean accuracy (per problem, averaged
-    over seeds) with a bootstrap interval over problems (it covers which problems were drawn,
-    not the seeds' spread: that is their range), and the sign-flip test. Then SFT + GRPO
-    against GRPO over the seeds both have (the paper's question), and the public sets: the
-    full rows where both sets have them, else the first 100 problems of both, with McNemar's
-    p adjusted by Holm's method over the two. Raises InputError for unpaired files or k > 1."""
+    """The README's lead, from the committed k = 1 samples in `folder` (data/recipe/) alone: the
+    held-out rows (`held_out_rows`), SFT + GRPO against GRPO over the seeds both have (the
+    paper's question), then the public sets (`public_sets`). Raises InputError for unpaired
+    files or k > 1."""
+    scores = held_out_rows(folder, draws, seed)
+    both = sorted(set(scores.get("grpo", {})) & set(scores.get("sft_grpo", {})))
+    if both:
+        a, b = (np.mean([scores[r][s] for s in both], axis=0) for r in ("grpo", "sft_grpo"))
+        lo, hi = paired_bootstrap(a, b, draws, seed)
+        print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy over seeds {', '.join(map(str, both))} of "
+              f"each: {100 * (b - a).mean():+.1f} {interval(lo, hi, True)}, p = "
+              f"{paired_test(a, b, len(both) == 1, draws, seed)}")
+    public_sets(folder, draws, seed)
+
+
+def held_out_rows(folder: str, draws: int, seed: int) -> dict:
+    """Print the held-out table: a row per policy of LEAD_ROWS that has samples. One seed: its
+    accuracy with Wilson's interval, the gain over the start model with a paired bootstrap
+    interval and the exact McNemar test. Several seeds (each named): the mean accuracy (per
+    problem, averaged over seeds) with a bootstrap interval over problems (it covers which
+    problems were drawn, not the seeds' spread: that is their range), and the sign-flip test.
+    Returns {row: {seed: (problems,) 0/1 scores}}."""
     start_path = os.path.join(folder, "heldout_start.samples.jsonl.gz")
     start = per_problem(start_path)
     base = one_sample_each(start, start_path)  # (problems,)
@@ -223,13 +236,13 @@ def lead_tables(folder: str, draws: int, seed: int) -> None:
             gain = f"{100 * (mean - base).mean():+.1f} {interval(glo, ghi, True)}"
             test = paired_test(base, mean, single, draws, seed)
         print(f"| {name} | {', '.join(map(str, scores[row]))} | {acc} | {gain} | {test} |")
-    both = sorted(set(scores.get("grpo", {})) & set(scores.get("sft_grpo", {})))
-    if both:
-        a, b = (np.mean([scores[r][s] for s in both], axis=0) for r in ("grpo", "sft_grpo"))
-        lo, hi = paired_bootstrap(a, b, draws, seed)
-        print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy over seeds {', '.join(map(str, both))} of "
-              f"each: {100 * (b - a).mean():+.1f} {interval(lo, hi, True)}, p = "
-              f"{paired_test(a, b, len(both) == 1, draws, seed)}")
+    return scores
+
+
+def public_sets(folder: str, draws: int, seed: int) -> None:
+    """Print the public sets' table, start against SFT + GRPO: the full rows where both sets
+    have them (SFT + GRPO's seed 1), else the first 100 problems of both (seed 0); nothing
+    when neither pair is complete. McNemar's p is adjusted by Holm's method over the two sets."""
     sets = (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test"))
     full = {bench: [f"{bench}_all_start", f"{bench}_all_sft_grpo_seed1"] for bench, _ in sets}
     first = {bench: [f"{bench}_start", f"{bench}_sft_grpo"] for bench, _ in sets}
