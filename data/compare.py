@@ -387,7 +387,7 @@ def main(argv=None) -> None:
         right_done = (right * done).sum()
         among = f"{pct(right_done / done.sum())} ({right_done:.0f} of {done.sum():.0f})" if done.sum() else "-"
         glo, ghi = paired_bootstrap(first, scores, args.draws, args.seed)
-        gain = f"{100 * (scores - first).mean():+.1f} [{100 * glo:+.1f}, {100 * ghi:+.1f}]"
+        gain = f"{100 * (scores - first).mean():+.1f} {interval(glo, ghi, True)}"
         # at k = 1 a problem's score is 0 or 1: b problems right only here, c only in the first
         b, c = gained_lost(first, scores)
         test = f"{mcnemar_exact(b, c):.3g} ({b}, {c})" if k == 1 else "-"
