@@ -69,13 +69,17 @@ def split_completion(completion: str, where: str = ""):
 
 
 def load_exemplars(path: str) -> list:
-    """Read and check the few-shot exemplars: InputError naming the file and the exemplar
-    unless each parses as plan / blocks / answer."""
-    rows = ex.read_jsonl_tolerant(path)
+    """Read and check the few-shot exemplars, rows with "problem" and "completion" strings
+    (every line whole: a torn last line is an error, never a shot dropped). Raises
+    InputError naming file and line unless each completion parses as plan / blocks / answer."""
+    rows = []
+    for n, row in ex.read_jsonl(path):
+        if not all(isinstance(row.get(key), str) for key in ("problem", "completion")):
+            raise ex.InputError(f"{path}:{n}: an exemplar needs fields 'problem' and 'completion', strings")
+        split_completion(row["completion"], where=f"{path}:{n}: ")
+        rows.append(row)
     if not rows:
         raise ex.InputError(f"{path}: no exemplars in the file (the teacher's prompt is few-shot)")
-    for r in rows:
-        split_completion(str(r.get("completion", "")), where=f"{path}: exemplar {r.get('id')!r}: ")
     return rows
 
 

@@ -34,8 +34,9 @@ Departures from the paper (it does not describe its executor):
        background and detached processes, threads, forged messages (the caller trusts
        only the template's socket, which no block process holds; a block keeps fds 0-2
        and its own report pipe); contained: reading the host's files (a
-       block's root holds only /usr, /bin, /lib*, the loader's and time zone's /etc files,
-       the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
+       block's root holds only /usr, /bin, /lib*, /etc's loader, time zone, fonts and
+       os-release files and a passwd, group, hosts and nsswitch.conf of its own (root and
+       nobody; localhost), the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
        no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
        leases and per-user limits (a block runs as nobody, uid 65534; a caller that is not
        root: its blocks keep its uid, root of its user namespace, without any capability);
@@ -835,11 +836,14 @@ def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
 #    Then on both sides a word that changes the value is written as its factor
 #    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
 #    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
+#    A prediction holding a word that hedges or changes a stated value which the gold lacks
+#    (`_HEDGE`: `70 \\text{ or more}`, `70 minus one`, `70 k`; `and` / `or` only against an
+#    integer gold, elsewhere they list a set) -> wrong (tests/faults.md A23).
 # 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
 #    written here, no float tolerance, no sympy, no subprocess.
 #    a) An equation counts by its right side when it is one equation whose left side names
 #       something (`m+n=70`, `x = 70`); any other equation is wrong (`5=70`, `x=y=70`,
-#       `x=5,y=70`, `x>=70`).
+#       `x=5,y=70`, `x>=70`, `x \\le= 70`).
 #    b) Otherwise the prediction must be one number (`number_value(pred, literal=True)`: a
 #       decimal, with the wrappers and units listed in its docstring), right iff its exact
 #       value is the gold: `004`, `70.`, `70.0`, `\\text{70}`, `\\$70`, `70\\%`,
@@ -929,12 +933,12 @@ def _box_at(text: str, j: int):
 
 _LIST_OR_SPLIT = re.compile(r"(?<!\\),\s|\d\s+\d")   # (`\, ` is a thin space, not a list's comma)
 _NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])"
-                    r"|\\[()\[\]{}]|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree")
+                    r"|\\[()\[\]{}]|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ(?:\s*\})?|\\circ|\\degree")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
 _ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
 _CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
 # a unit: a word after a number, or one letter after a blank (`70 m`; `70x` is not read: tests/faults.md A22)
-_UNIT_WORD = re.compile(r"(?<=[\d}])(?:\s*[a-zA-Z]{2,}[a-zA-Z .]*|\s+[a-zA-Z])(?:\^\{?[23]\}?)?$")
+_UNIT_WORD = re.compile(r"(?<=[\d}])(?:\s*[a-zA-Z]{2,}[a-zA-Z ./]*|\s+[a-zA-Z](?:/[a-zA-Z]+)?)(?:\^\{?[23]\}?)?$")
 _WRAPPED = re.compile(r"^[{(\[]([^,(){}\[\]]*)[})\]]$")   # (70), {70}, [70]; not (1,000), a pair
 _FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
 _DECIMAL = r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"   # 1,000 70.0 -.5: one number
@@ -950,6 +954,16 @@ _VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\c
                 "cubed": "^{3}", "pi": r"\pi", "factorial": "!"}
 _VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
                          + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
+# words that hedge or change a stated value, never a unit (`70 \text{ or more}`, `70 minus one`, `70 k`, `70 lakh`,
+# `\frac{1}{3} \text{ (not } \frac{1}{2})`); an operator word only before an operand (`70 times` counts times)
+_HEDGE = re.compile(r"(?<![\\a-zA-Z])(?i:n?or\s+(?:more|less|fewer|so)|or|nor|and|not|no|than|least|most|about"
+                    r"|approx|approximately|around|roughly|nearly|almost|above|below|under|up|to|between|except|but"
+                    r"|half|halves|thirds?|quarters?|bn|mn|mil|mio|lakhs?|crores?|grand|gross|scores?"
+                    r"|(?:plus|minus|times|over|by|divided|mod|modulo)(?=[\s}]*[^\s}.]))(?![a-zA-Z])"
+                    r"|(?<=\d)\s*(?:\\text\s*\{\s*)?[kKMB](?![a-zA-Z])")
+# a relation in an equation's left side (`x \le= 70`, `x \ne 5 = 70`): not one equation
+_RELATION = re.compile(r"\\(?:leq?|geq?|neq?|lt|gt|leqslant|geqslant|approx|sim|simeq|equiv|propto)(?![a-zA-Z])"
+                       r"|[\u2264\u2265\u2260\u2248]")
 
 
 def number_value(answer: str, literal: bool = False):
@@ -1018,12 +1032,18 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     pred, gold = ("" if pred is None else str(pred)).strip(), str(gold).strip()
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
+    # a hedge its gold lacks says something else (tests/faults.md A23); `and` / `or` list a set's members
+    hedges = {w.lower() for w in _HEDGE.findall(pred)} - {w.lower() for w in _HEDGE.findall(gold)}
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
-    if isinstance(g, Fraction) and g.denominator == 1:
+    integer = isinstance(g, Fraction) and g.denominator == 1
+    if hedges - (set() if integer else {"and", "or"}):
+        return False
+    if integer:
         if "=" in pred:   # one equation whose left side is no plain number states its right side (tests/faults.md A22)
             m = _EQUATION.fullmatch(pred)
-            return m is not None and number_value(m[1], literal=True) is None and grade(m[2], gold, timeout)
+            return m is not None and number_value(m[1], literal=True) is None and not _RELATION.search(m[1]) \
+                and grade(m[2], gold, timeout)
         # one number equal to the gold, never an expression that evaluates to it: the product
         # problem's own `60426 \times 4795` restates the question (tests/faults.md A19)
         return number_value(pred, literal=True) == g
@@ -2493,7 +2513,8 @@ def read_problems(path: str) -> list:
         for field, keys in (("problem", ("problem", "question")), ("answer", ("answer", "ground_truth", "solution"))):
             key = next((k for k in keys if row.get(k) not in (None, "")), None)
             if key is None:
-                raise InputError(f"{where}: missing field '{field}' (or one of {keys[1:]})")
+                what = "empty" if any(row.get(k) == "" for k in keys) else "missing"
+                raise InputError(f"{where}: {what} field '{field}' (or one of {keys[1:]})")
             value = _problem_value(where, key, row[key], numbers_ok=field == "answer" and key != "solution")
             if key == "solution":
                 value = extract_answer(value, prose_only=False)

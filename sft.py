@@ -398,7 +398,12 @@ def read_trajectories(path: str):
         if blocks is not None and not (isinstance(blocks, list) and all(
                 isinstance(b, dict) and isinstance(b.get("output"), str) for b in blocks)):
             raise executor.InputError(f"{where}: field 'blocks' must be a list of objects with a string 'output'")
-        yield where, problem, row["completion"], [b["output"] for b in blocks] if blocks else None
+        outputs = [b["output"] for b in blocks] if blocks else None
+        try:  # the blocks' outputs against the completion's, before any model loads (tests/faults.md B51)
+            executor.split_completion(row["completion"], outputs)
+        except ValueError as e:
+            raise executor.InputError(f"{where}: {e}") from e
+        yield where, problem, row["completion"], outputs
 
 
 def load_sft_data(data, tokenizer, max_len: int, stateful: bool = False):
@@ -410,10 +415,7 @@ def load_sft_data(data, tokenizer, max_len: int, stateful: bool = False):
     eot = executor.end_of_turn_id(tokenizer)
     examples = []
     for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
-        try:
-            examples.append(build_example(tokenizer, problem, completion, outputs, eot, stateful=stateful))
-        except ValueError as e:
-            raise executor.InputError(f"{where}: {e}") from e
+        examples.append(build_example(tokenizer, problem, completion, outputs, eot, stateful=stateful))
     kept = [e for e in examples if len(e["ids"]) <= max_len]
     return kept, len(examples) - len(kept)
 

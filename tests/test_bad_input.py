@@ -69,7 +69,8 @@ def files(tmp_path, monkeypatch):
     good = json.dumps(TRAJ[0]) + "\n"
     for name, line in {"t_notjson": b"{oops\n", "t_latin1": b'{"problem": "caf\xe9", "completion": "1"}\n',
                        "t_nocomp": b'{"problem": "x"}\n', "t_type": b'{"problem": "x", "completion": 5}\n',
-                       "t_surrogate": b'{"problem": "x", "completion": "\\udc80"}\n'}.items():
+                       "t_surrogate": b'{"problem": "x", "completion": "\\udc80"}\n',
+                       "t_torn": b'{"problem": "x", "compl'}.items():   # (a write cut by a kill)
         (d / f"{name}.jsonl").write_bytes(good.encode() + line)
         f[name] = str(d / f"{name}.jsonl")
     for stage in ("sft", "evaluate"):  # folders holding another stage's run
@@ -188,6 +189,9 @@ def _argv(base, case, files):
     (["--out", ""], "--out '': not a .jsonl file"),
     (["--out", "/dev/null"], "--out /dev/null: not a .jsonl file"),
     (["--exemplars", "{t_empty}"], "{t_empty}: no exemplars in the file"),
+    (["--exemplars", "{t_torn}"], "{t_torn}:2: not valid JSON"),   # a shot dropped silently before (B50)
+    (["--exemplars", "{t_nocomp}"], "{t_nocomp}:2: an exemplar needs fields 'problem' and 'completion', strings"),
+    (["--exemplars", "{t_type}"], "{t_type}:2: an exemplar needs fields 'problem' and 'completion', strings"),
     (["--samples-per-problem", "100000"], "argument --samples-per-problem: expected an integer in [1, 65536], got"),
     (["--data", "{dir}/notail.jsonl", "--out", "{dir}/notail.jsonl"], "would write {dir}/notail.jsonl, which is its"),
     (["--data", "{dir}/n.rejected.jsonl", "--out", "{dir}/n.jsonl"], "would write {dir}/n.rejected.jsonl, which is"),
@@ -208,6 +212,8 @@ def test_distill_bad_input(case, files, tiny_dir, tmp_path, capsys):
     (["--out", ""], "--out '': give a folder"),
     (["--out", "/dev/null"], "--out /dev/null: a file, not a folder"),
     (["--k", "10000000"], "argument --k: expected an integer in [1, 65536], got '10000000'"),
+    (["--exemplars", "{t_torn}"], "{t_torn}:2: not valid JSON"),   # B50
+    (["--exemplars", "{t_nocomp}"], "{t_nocomp}:2: an exemplar needs fields 'problem' and 'completion', strings"),
 ] + common_cases(), ids=lambda c: " ".join(c[0]))
 def test_evaluate_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
@@ -267,6 +273,15 @@ def test_sft_bad_input(case, files, tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "new")
     argv, msg = _argv(["--model", tiny_dir, "--data", files["traj"], "--out", out], case, files)
     assert msg in _refused(sft, argv, tmp_path, capsys, out)
+
+
+def test_sft_checks_block_outputs_before_the_model_loads_B51(tiny_dir, tmp_path, capsys, monkeypatch):
+    bad = dict(TRAJ[0], blocks=[{"code": "print(0 + 0)", "output": "1"}])   # the completion printed 0
+    path = _jsonl(tmp_path / "mismatch.jsonl", [TRAJ[1], bad])
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("the model loaded before the rows were checked"))
+    out = str(tmp_path / "new")
+    msg = _refused(sft, ["--model", tiny_dir, "--data", path, "--out", out], tmp_path, capsys, out)
+    assert f"{path}:2: output block not found in the completion: '```output\\n0" in msg
 
 
 def test_cli_names_a_path_it_cannot_write_and_a_full_disk(tmp_path, capsys):

@@ -29,7 +29,8 @@ def test_read_problems_accepts_alternative_fields_and_keeps_extras(tmp_path):
     ('[1, 2]', "expected a JSON object"),
     ('{"problem": "x"}', "missing field 'answer'"),
     ('{"answer": "3"}', "missing field 'problem'"),
-    ('{"problem": "", "answer": "3"}', "missing field 'problem'"),
+    ('{"problem": "", "answer": "3"}', "empty field 'problem'"),
+    ('{"problem": "x", "answer": ""}', "empty field 'answer'"),   # ("missing" before)
     ('{"problem": "x", "answer": [1, 2]}', "field 'answer' must be a string or a number, got list"),
     ('{"problem": "x", "answer": true}', "field 'answer' must be a string or a number, got bool"),
     ('{"problem": "x", "answer": {"x": 1}}', "field 'answer' must be"),

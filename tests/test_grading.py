@@ -532,3 +532,26 @@ def test_every_fair_spelling_of_one_number_is_read_A22(pred, right):
     spacing and style, brackets and math delimiters; an equation states its right side when
     its left is no number, whatever operator the left side uses."""
     assert grade(pred, "70", timeout=SLOW_OK) is right
+
+
+# --- A23: a hedge is no unit; a unit may hold a slash, a degree a blank -----------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold,right", [
+    (r"70 \text{ minus one}", "70", False), ("70 plus a half", "70", False), (r"70\text{ half}", "70", False),
+    (r"70 \text{ is not the answer}", "70", False), (r"70 \text{ or more}", "70", False),
+    (r"n = 70 \text{ or more}", "70", False), ("70 times ten", "70", False), ("70 k", "70", False),
+    (r"70 \text{ M}", "70", False), (r"70\text{ bn}", "70", False), ("70 lakh", "70", False), ("70 score", "70", False),
+    (r"x \le= 70", "70", False), (r"x \ne 5 = 70", "70", False), ("x \u2264 5 = 70", "70", False),
+    (r"\frac{1}{3} \text{ (not } \frac{1}{2})", r"\frac{1}{2}", False), (r"\frac{1}{2}\text{ or more}", r"\frac{1}{2}", False),
+    (r"70\text{ km/h}", "70", True), (r"70 \text{ m/s}", "70", True), (r"70^\circ C", "70", True),
+    ("70 times", "70", True), (r"70 \text{ times}", "70", True), ("70 more", "70", True), ("70 cups", "70", True),
+    (r"70 \text{ miles per hour}", "70", True), ("70 m", "70", True), (r"x = 70", "70", True),
+    (r"1 \text{ and } 2", "1, 2", True), (r"\text{no}", r"\text{no}", True),
+])
+def test_a_hedge_is_no_unit_A23(pred, gold, right):
+    """The words after a number were all dropped as its unit, so `70 minus one`, `70 or more`
+    and `70 k` equalled 70, and a relation left of `=` passed the equation rule; a hedge its
+    gold lacks is now wrong on both rules (`and` / `or` list a set's members on Math-Verify's).
+    `70 km/h` and `70^\\circ C` were wrong (a slash, a degree eating the blank)."""
+    assert grade(pred, gold, timeout=SLOW_OK) is right
