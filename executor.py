@@ -36,7 +36,8 @@ Departures from the paper (it does not describe its executor):
        and its own report pipe); contained: reading the host's files (a
        block's root holds only /usr, /bin, /lib*, /etc's loader, time zone, fonts and
        os-release files and a passwd, group, hosts and nsswitch.conf of its own (root and
-       nobody; localhost), the interpreter and its packages, read-only, and /dev's null, zero, random, urandom:
+       nobody; localhost), the interpreter and its packages, read-only, and /dev's null,
+       zero, random, urandom:
        no project, data, run folder, model or $HOME); root's 0600 files, sockets, FIFOs,
        leases and per-user limits (a block runs as nobody, uid 65534; a caller that is not
        root: its blocks keep its uid, root of its user namespace, without any capability);
