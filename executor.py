@@ -860,9 +860,11 @@ def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
 #    places, `\\text{}` answers), but no tolerance between two exact values: only a side
 #    written as a decimal is rounded (`0.333333` equals `\\frac{1}{3}`); integers, fractions,
 #    radicals, pi, factorials and powers compare symbolically, exactly (`\\frac{1}{2^{98}}` is
-#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). It runs in a helper process with a
-#    wall-clock limit that holds from any thread (Math-Verify's own timeouts use SIGALRM,
-#    main thread only): a
+#    not `\\frac{1}{2^{99}}`; tests/faults.md A10). Its rules, not ours: of several
+#    expressions it reads the last (`\\frac{1}{3} \\to \\frac{1}{2}` is `\\frac{1}{2}`), and an
+#    expression equal to the gold is right (`\\frac{17}{34}`: rule 2's "one number" is for
+#    integers only). It runs in a helper process with a wall-clock limit that holds from
+#    any thread (Math-Verify's own timeouts use SIGALRM, main thread only): a
 #    comparison that misses it kills the helper (the next call starts a fresh one) and
 #    the answer counts as wrong. Timeouts and failures (an exception out of Math-Verify, a
 #    helper that died) are counted in GRADER_FAILURES for the stages' logs.
