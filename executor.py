@@ -852,7 +852,8 @@ def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
 #       `69.99999999999`, `-70` are not. An expression is wrong whatever its value
 #       (`\\frac{140}{2}`, `10^{3}`, `2\\cdot35`, `60426 \\times 4795`, `4^{142} \\bmod 101`,
 #       `5 million`): the paper's reward pays for a computed answer, not for restating the
-#       question (tests/faults.md A19). Lists are not one number: `32, 349`, `(1, 2)`, `7 0`,
+#       question (tests/faults.md A19); only a gold itself written so (MATH's `5^{12}`) takes
+#       its own form too (A24). Lists are not one number: `32, 349`, `(1, 2)`, `7 0`,
 #       several boxes unless they all hold the same answer.
 # 3. A non-integer gold (`\\frac{1}{2}`, `4\\sqrt{2}`, `(0,1)`) goes to Math-Verify (Hugging
 #    Face's grader, the math reward of TRL and open-r1): verify(parse(\\boxed{gold}), parse(\\boxed{pred})),
@@ -943,7 +944,7 @@ _CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answe
 # a unit: a word after a number, or one letter after a blank (`70 m`; `70x` is not read: tests/faults.md A22)
 _UNIT_WORD = re.compile(r"(?<=[\d}])(?:\s*[a-zA-Z]{2,}[a-zA-Z ./]*|\s+[a-zA-Z](?:/[a-zA-Z]+)?)(?:\^\{?[23]\}?)?$")
 _WRAPPED = re.compile(r"^[{(\[]([^,(){}\[\]]*)[})\]]$")   # (70), {70}, [70]; not (1,000), a pair
-_FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+_FRACTION = re.compile(r"(?<!\d)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")   # not 1\frac{2}{3}: 12/3 (A24)
 _DECIMAL = r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"   # 1,000 70.0 -.5: one number
 _LITERAL = re.compile(_DECIMAL)
 _NUMBER = re.compile(_DECIMAL + r"|[+-]?\d+/0*[1-9]\d*")
@@ -1049,7 +1050,8 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
                 and grade(m[2], gold, timeout)
         # one number equal to the gold, never an expression that evaluates to it: the product
         # problem's own `60426 \times 4795` restates the question (tests/faults.md A19)
-        return number_value(pred, literal=True) == g
+        # (a gold written as an expression, `5^{12}`, takes the same form: tests/faults.md A24)
+        return number_value(pred, literal=number_value(gold, literal=True) is not None) == g
     return _GRADER.verify(gold, pred, timeout)
 
 

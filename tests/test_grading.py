@@ -555,3 +555,18 @@ def test_a_hedge_is_no_unit_A23(pred, gold, right):
     gold lacks is now wrong on both rules (`and` / `or` list a set's members on Math-Verify's).
     `70 km/h` and `70^\\circ C` were wrong (a slash, a degree eating the blank)."""
     assert grade(pred, gold, timeout=SLOW_OK) is right
+
+
+# --- A24: a mixed number is not its digits run together; a gold's own expression is its form -------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pred,gold,right", [
+    ("4", r"1\frac{2}{3}", False), (r"1\frac{2}{3}", r"1\frac{2}{3}", True), (r"\frac{5}{3}", r"1\frac{2}{3}", True),
+    ("5^{12}", "5^{12}", True), ("244140625", "5^{12}", True), ("-2^{49}", "-2^{49}", True),
+    ("-562949953421312", "-2^{49}", True), ("5^{12}", "244140625", False), (r"\frac{14}{2}", "7", False),
+])
+def test_a_mixed_number_and_a_gold_written_as_an_expression_A24(pred, gold, right):
+    """MATH's `1\\frac{2}{3}` was read as 12/3, an integer gold 4 that `4` matched and the gold
+    itself did not; `5^{12}` (MATH's own gold) was wrong against itself, since an integer gold
+    took only a plain number. An expression is still wrong against a gold written as a number (A19)."""
+    assert grade(pred, gold, timeout=SLOW_OK) is right
