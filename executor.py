@@ -838,8 +838,8 @@ def top_k_top_p(logits, top_p: float = 1.0, top_k: int = 0):
 #    (`with_value_words`: `5\\text{ million}` is `5\\cdot10^{6}`, never 5 with a unit).
 #    A prediction of several boxes (`extract_answer`: `1, 2, 3`) is one list answer.
 #    A prediction holding a word that hedges or changes a stated value which the gold lacks
-#    (`_HEDGE`: `70 \\text{ or more}`, `70 minus one`, `70 k`; `and` / `or` only against an
-#    integer gold, elsewhere they list a set) -> wrong (tests/faults.md A23).
+#    (`_hedges`: `70 \\text{ or more}`, `70 minus one`, `70\\,\\mathrm{k}`, `\\approx 0.5`; `and`
+#    / `or` only against an integer gold, elsewhere they list a set) -> wrong (tests/faults.md A23).
 # 2. Integer gold (the paper's RL set and all five of its benchmarks): an exact rule,
 #    written here, no float tolerance, no sympy, no subprocess.
 #    a) An equation counts by its right side when it is one equation whose left side names
@@ -936,7 +936,7 @@ def _box_at(text: str, j: int):
 # ---------------------------------------------------------------------------------------
 
 _LIST_OR_SPLIT = re.compile(r"(?<!\\),\s|\d\s+\d")   # (`\, ` is a thin space, not a list's comma)
-_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0]|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])"
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0\u00a3\u20ac\u00a5\u20b9\u00a2]|\\(?:pounds|euro)(?![a-zA-Z])|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])"
                     r"|\\[()\[\]{}]|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ(?:\s*\})?|\\circ|\\degree")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
 _ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
@@ -959,15 +959,16 @@ _VALUE_WORDS = {"dozen": r"\cdot12", "hundred": r"\cdot10^{2}", "thousand": r"\c
 _VALUE_WORD = re.compile(r"(\\(?:text|textrm|mbox|mathrm)\s*\{\s*)?(?<![\\a-zA-Z])(" + "|".join(_VALUE_WORDS)
                          + r")s?(?![a-zA-Z])(?(1)\s*\})", re.I)
 # words that hedge or change a stated value, never a unit (`70 \text{ or more}`, `70 minus one`, `70 k`, `70 lakh`,
-# `\frac{1}{3} \text{ (not } \frac{1}{2})`); an operator word only before an operand (`70 times` counts times)
+# `70ish`, `\frac{1}{3} \text{ (not } \frac{1}{2})`); an operator word only before an operand (`70 times` counts
+# times); read after `_NOISE` and `_TEXT` (`70\,\mathrm{k}` is `70 k`)
 _HEDGE = re.compile(r"(?<![\\a-zA-Z])(?i:n?or\s+(?:more|less|fewer|so)|or|nor|and|not|no|than|least|most|about"
                     r"|approx|approximately|around|roughly|nearly|almost|above|below|under|up|to|between|except|but"
-                    r"|half|halves|thirds?|quarters?|bn|mn|mil|mio|lakhs?|crores?|grand|gross|scores?"
-                    r"|(?:plus|minus|times|over|by|divided|mod|modulo)(?=[\s}]*[^\s}.]))(?![a-zA-Z])"
-                    r"|(?<=\d)\s*(?:\\text\s*\{\s*)?[kKMB](?![a-zA-Z])")
+                    r"|ish|maybe|perhaps|probably|wrong|incorrect|plus|minus|half|halves|bn|mn|mil|mio|lakhs?"
+                    r"|crores?|grand|gross|scores?|(?:times|over|by|divided|mod|modulo)(?=[\s}]*[^\s}.]))(?![a-zA-Z])"
+                    r"|(?<=[\d}])\s*[kKMB](?![a-zA-Z])|\\(?:not|neg|approx|sim|simeq)(?![a-zA-Z])")
 # a relation in an equation's left side (`x \le= 70`, `x \ne 5 = 70`): not one equation
-_RELATION = re.compile(r"\\(?:leq?|geq?|neq?|lt|gt|leqslant|geqslant|approx|sim|simeq|equiv|propto)(?![a-zA-Z])"
-                       r"|[\u2264\u2265\u2260\u2248]")
+_RELATION = re.compile(r"\\(?:n?[lg]eq?(?:q|slant)?|[lg]neqq?|neq?|not|neg|lt|gt|approx|sim|simeq|equiv|propto)"
+                       r"(?![a-zA-Z])|[\u2264\u2265\u2260\u2248]")
 
 
 def number_value(answer: str, literal: bool = False):
@@ -993,7 +994,7 @@ def number_value(answer: str, literal: bool = False):
     s = with_value_words(answer.strip().replace("\u2212", "-"))
     if len(s) > MAX_ANSWER_CHARS or _LIST_OR_SPLIT.search(s):
         return None
-    s = _NOISE.sub("", s)
+    s = _NOISE.sub(" ", s)   # (`70^\\circ C`: the unit stays a word apart)
     s = _TEXT.sub(r" \1", s)   # (`70\,\mathrm{m}`: the unit stays a word apart)
     s = _ORDINAL.sub("", s)
     s = _UNIT_WORD.sub("", s)
@@ -1024,6 +1025,12 @@ def with_value_words(answer: str) -> str:
 # Grade
 # ---------------------------------------------------------------------------------------
 
+def _hedges(answer: str) -> set:
+    """The hedge words of an answer (`_HEDGE`, lower case), read with TeX spacing and text
+    wrappers gone: `70\\,\\mathrm{k}` holds `k`."""
+    return {w.strip().lower() for w in _HEDGE.findall(_TEXT.sub(r" \1 ", _NOISE.sub(" ", answer)))}
+
+
 def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     """1[pred is equivalent to gold] under the rules above grade's section (integer rule,
     then Math-Verify).
@@ -1037,7 +1044,7 @@ def grade(pred, gold: str, timeout: float = 1.0) -> bool:
     if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     # a hedge its gold lacks says something else (tests/faults.md A23); `and` / `or` list a set's members
-    hedges = {w.lower() for w in _HEDGE.findall(pred)} - {w.lower() for w in _HEDGE.findall(gold)}
+    hedges = _hedges(pred) - _hedges(gold)
     pred, gold = with_value_words(pred), with_value_words(gold)
     g = number_value(gold)
     integer = isinstance(g, Fraction) and g.denominator == 1

@@ -548,6 +548,9 @@ def test_every_fair_spelling_of_one_number_is_read_A22(pred, right):
     ("70 times", "70", True), (r"70 \text{ times}", "70", True), ("70 more", "70", True), ("70 cups", "70", True),
     (r"70 \text{ miles per hour}", "70", True), ("70 m", "70", True), (r"x = 70", "70", True),
     (r"1 \text{ and } 2", "1, 2", True), (r"\text{no}", r"\text{no}", True),
+    (r"x \not= 70", "70", False), (r"70\,\mathrm{k}", "70", False), ("{70} k", "70", False), ("70ish", "70", False),
+    (r"70 \text{ is wrong}", "70", False), (r"\approx 0.5", r"\frac{1}{2}", False), (r"70 \text{ quarters}", "70", True),
+    ("\u00a370", "70", True), ("70\u00b0C", "70", True), (r"70^{\circ}C", "70", True), (r"10,\!080", "10080", True),
 ])
 def test_a_hedge_is_no_unit_A23(pred, gold, right):
     """The words after a number were all dropped as its unit, so `70 minus one`, `70 or more`
