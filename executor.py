@@ -936,8 +936,9 @@ def _box_at(text: str, j: int):
 # ---------------------------------------------------------------------------------------
 
 _LIST_OR_SPLIT = re.compile(r"(?<!\\),\s|\d\s+\d")   # (`\, ` is a thin space, not a list's comma)
-_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0\u00a3\u20ac\u00a5\u20b9\u00a2]|\\(?:pounds|euro)(?![a-zA-Z])|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])"
-                    r"|\\[()\[\]{}]|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ(?:\s*\})?|\\circ|\\degree")
+_NOISE = re.compile(r"\\[!,;: ]|\\?[$%~\u00b0\u00a3\u20ac\u00a5\u20b9\u00a2]|\\(?:pounds|euro)(?![a-zA-Z])"
+                    r"|\\(?:left|right|[dt]isplaystyle|textstyle|q?quad|bf|rm|it)(?![a-zA-Z])|\\[()\[\]{}]"
+                    r"|\\phantom\{[^{}]*\}|\^\s*\{?\s*\\circ(?:\s*\})?|\\circ|\\degree")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf|underline|boldsymbol|bm)\s*\{([^{}]*)\}")
 _ORDINAL = re.compile(r"\^\s*\{?\s*(?:st|nd|rd|th)\s*\}?$")   # 25^{th}: tests/faults.md A13
 _CHOICE_LABEL = re.compile(r"^\([A-E]\)(?=.)")   # \textbf{(B)}~25, an AMC answer: the value after its label
@@ -966,9 +967,10 @@ _HEDGE = re.compile(r"(?<![\\a-zA-Z])(?i:n?or\s+(?:more|less|fewer|so)|or|nor|an
                     r"|ish|maybe|perhaps|probably|wrong|incorrect|plus|minus|half|halves|bn|mn|mil|mio|lakhs?"
                     r"|crores?|grand|gross|scores?|(?:times|over|by|divided|mod|modulo)(?=[\s}]*[^\s}.]))(?![a-zA-Z])"
                     r"|(?<=[\d}])\s*[kKMB](?![a-zA-Z])|\\(?:not|neg|approx|sim|simeq)(?![a-zA-Z])")
-# a relation in an equation's left side (`x \le= 70`, `x \ne 5 = 70`): not one equation
-_RELATION = re.compile(r"\\(?:n?[lg]eq?(?:q|slant)?|[lg]neqq?|neq?|not|neg|lt|gt|approx|sim|simeq|equiv|propto)"
-                       r"(?![a-zA-Z])|[\u2264\u2265\u2260\u2248]")
+# a relation in an equation's left side (`x \le= 70`, `x \ne 5 = 70`): not one equation (`\not`,
+# `\approx`, `\sim` are hedges: `_HEDGE`)
+_RELATION = re.compile(r"\\(?:n?[lg]eq?(?:q|slant)?|[lg]neqq?|neq?|lt|gt|equiv|propto)(?![a-zA-Z])"
+                       r"|[\u2264\u2265\u2260\u2248]")
 
 
 def number_value(answer: str, literal: bool = False):
