@@ -241,12 +241,12 @@ def held_out_rows(folder: str, draws: int, seed: int) -> dict:
 
 def public_sets(folder: str, draws: int, seed: int) -> None:
     """Print the public sets' table, start against SFT + GRPO: the full rows where both sets
-    have them (SFT + GRPO's seed 1), else the first 100 problems of both (seed 0); nothing
+    have them (SFT + GRPO's seed 2), else the first 100 problems of both (seed 0); nothing
     when neither pair is complete. McNemar's p is adjusted by Holm's method over the two sets."""
     sets = (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test"))
-    full = {bench: [f"{bench}_all_start", f"{bench}_all_sft_grpo_seed1"] for bench, _ in sets}
+    full = {bench: [f"{bench}_all_start", f"{bench}_all_sft_grpo_seed2"] for bench, _ in sets}
     first = {bench: [f"{bench}_start", f"{bench}_sft_grpo"] for bench, _ in sets}
-    for names, which in ((full, "seed 1"), (first, "seed 0")):
+    for names, which in ((full, "seed 2"), (first, "seed 0")):
         paths = {bench: [os.path.join(folder, f"{n}.samples.jsonl.gz") for n in names[bench]] for bench, _ in sets}
         if all(os.path.exists(f) for fs in paths.values() for f in fs):
             break

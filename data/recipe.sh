@@ -75,8 +75,8 @@ ROLLOUT=${ROLLOUT:-32}
 PUBLIC=${PUBLIC:-"start sft_grpo"}
 PUBLIC_N=${PUBLIC_N:-100}
 PUBLIC_ALL_N=${PUBLIC_ALL_N:-500}    # GSM8K problems in round 2's full public rows (MATH500: all 311)
-ALL_ROWS=${ALL_ROWS:-"start sft_grpo_seed1"}  # rows evaluated on the full public sets (a trained row's
-                                     # model must be on this machine: sft_grpo_seed1 is trained in round 2)
+ALL_ROWS=${ALL_ROWS:-"start sft_grpo_seed2"}  # rows evaluated on the full public sets (a trained row's
+                                     # model must be on this machine: sft_grpo_seed2 is the last trained)
 MATH500=${MATH500:-../shared/data/math500_int.jsonl}
 GSM8K=${GSM8K:-../shared/data/gsm8k_test.jsonl}
 START=qwen2.5-coder-0.5b

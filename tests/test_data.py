@@ -250,7 +250,7 @@ TRAINED = ["distill", "sft", "grpo", "sft_grpo", "control", "grpo_seed1", "sft_g
 EVALS = ([f"{b}_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo")]
          + [f"heldout_{r}" for r in ("start", "sft", "grpo", "sft_grpo", "control", "start_3shot", "grpo_seed1",
                                      "sft_grpo_seed1", "control_group", "grpo_seed2", "sft_grpo_seed2")]
-         + [f"{b}_all_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo_seed1")])
+         + [f"{b}_all_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo_seed2")])
 
 
 def mark_done(runs, parts, samples=None):
@@ -725,8 +725,8 @@ def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_ma
     part.mkdir(parents=True)
     (part / "samples.rank0.jsonl").write_text(rows[2] + "\n" + rows[0] + "\n" + rows[3][:9])
     (part / "samples.rank1.jsonl").write_text(rows[1] + "\n")
-    (runs / "math500_all_sft_grpo_seed1").mkdir()
-    (runs / "math500_all_sft_grpo_seed1" / "samples.rank0.jsonl").write_text(rows[0] + "\n")
+    (runs / "math500_all_sft_grpo_seed2").mkdir()
+    (runs / "math500_all_sft_grpo_seed2" / "samples.rank0.jsonl").write_text(rows[0] + "\n")
     (runs / "done.txt").write_text("heldout_start\n")
     mark_done(runs, ["heldout_start"])
     env = {**os.environ, "R": str(runs), "OUT_DIR": str(out), "BUDGET": "768", "PARTS": "heldout_start"}
@@ -734,7 +734,7 @@ def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_ma
     assert run.returncode == 0, run.stderr
     partial = out / "math500_all_start.partial.samples.jsonl.gz"
     assert gzip.decompress(partial.read_bytes()).decode() == "".join(sorted(r + "\n" for r in rows[:3]))
-    assert not (out / "math500_all_sft_grpo_seed1.partial.samples.jsonl.gz").exists()
+    assert not (out / "math500_all_sft_grpo_seed2.partial.samples.jsonl.gz").exists()
     assert not (out / "gsm8k_all_start.partial.samples.jsonl.gz").exists()
 
     shutil.rmtree(runs)  # a new machine: every part done but math500_all_start, which runs (a stand-in)
@@ -777,7 +777,7 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     write("gsm8k_start", [0, 0, 0, 0])
     write("gsm8k_sft_grpo", [1, 1, 0, 0])
     write("math500_all_start", [0, 1])  # a full pair for one set only: both tables stay on the first 100
-    write("math500_all_sft_grpo_seed1", [1, 1])
+    write("math500_all_sft_grpo_seed2", [1, 1])
     compare.main(["--lead", str(tmp_path), "--draws", "200"])
     out = capsys.readouterr().out
     # grpo: per-problem means over seeds 0-2 [1, 2/3, 2/3, 0] = 58.3; gains over start [0, 2/3, 2/3, 0]: +33.3,
