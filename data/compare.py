@@ -31,6 +31,7 @@ replaced by N (make_exact.py's templates).
 """
 import argparse
 import gzip
+import itertools
 import math
 import os
 import re
@@ -113,19 +114,39 @@ def wilson(right: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, (p + q / 2 - half) / (1 + q)), min(1.0, (p + q / 2 + half) / (1 + q))
 
 
-def sign_flip_p(diffs: np.ndarray, draws: int, seed: int, exact_up_to: int = 16) -> float:
-    """Two-sided p-value of a paired sign-flip (permutation) test of mean(diffs) = 0: under no
-    difference each problem's difference is as likely negated, so the null of |mean| is its
-    value over the 2^m sign patterns of the m nonzero differences: all of them when m <=
-    `exact_up_to`, else `draws` random ones, seeded (the observed one counted, so p >= 1 /
-    (draws + 1)). Per-problem means over seeds take few values with many ties and zeros, where
-    Wilcoxon's normal approximation is shaky; this test needs only the symmetry."""
-    nonzero = diffs[diffs != 0]
-    if len(nonzero) <= exact_up_to:
-        signs = 1.0 - 2.0 * ((np.arange(2 ** len(nonzero))[:, None] >> np.arange(len(nonzero))) & 1)
-        return float((np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).mean())
-    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=(draws, len(nonzero)))
-    return float((1 + (np.abs(signs @ nonzero) >= abs(nonzero.sum()) - 1e-9).sum()) / (draws + 1))
+def sign_flip_p(steps: np.ndarray) -> float:
+    """Exact two-sided p-value of a paired sign-flip (permutation) test of mean = 0 on integer
+    per-problem differences `steps` (problems,): a difference of means over seeds times both
+    seed counts (the test is the same at any positive scale). Under no difference each is as
+    likely negated, so the null of the sum is that of sum(+-|d|) over the 2^m sign patterns,
+    counted exactly by convolution (2 sum|d| + 1 cells, m passes). Per-problem means over seeds
+    take few values with many ties and zeros, where Wilcoxon's normal approximation is shaky;
+    this test needs only the symmetry. It holds the trained checkpoints fixed: see
+    `seed_permutation_p` for the seeds' own spread."""
+    sizes = np.abs(steps).astype(int)
+    total = int(sizes.sum())
+    null = np.zeros(2 * total + 1)  # null[j] = P(sum = j - total)
+    null[total] = 1.0
+    for d in sizes[sizes > 0]:  # the support stays within +-total: np.roll never wraps a mass
+        null = (np.roll(null, d) + np.roll(null, -d)) / 2
+    return float(null[np.abs(np.arange(-total, total + 1)) >= abs(int(steps.sum()))].sum())
+
+
+def seed_permutation_p(a: list, b: list) -> tuple[float, float]:
+    """Exact two-sided permutation test of two policies' accuracy with each training seed one
+    value (a, b: each seed's accuracy): the share of the C(len(a) + len(b), len(a)) ways to split
+    the pooled values into groups of those sizes whose |difference of means| reaches the
+    observed one. Returns (p, the smallest p any split could give: 1/3 with 2 + 2 seeds, 1/10
+    with 3 + 3). Unlike the per-problem tests it counts the seeds' spread (a policy's seeds
+    differ by up to 19 points here), so few seeds cannot make it small."""
+    pooled = np.array(list(a) + list(b), dtype=float)
+    gaps = []
+    for first in itertools.combinations(range(len(pooled)), len(a)):
+        mask = np.isin(np.arange(len(pooled)), first)
+        gaps.append(abs(pooled[~mask].mean() - pooled[mask].mean()))
+    gaps = np.array(gaps)
+    observed = abs(np.mean(b) - np.mean(a))
+    return float((gaps >= observed - 1e-9).mean()), float((gaps >= gaps.max() - 1e-9).mean())
 
 
 LEAD_ROWS = (("start", "start (packaged 0.5B)"), ("start_3shot", "start, the 3 exemplars as prior turns"),
@@ -169,15 +190,15 @@ def gained_lost(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
     return int(((after == 1) & (before == 0)).sum()), int(((after == 0) & (before == 1)).sum())
 
 
-def paired_test(before: np.ndarray, after: np.ndarray, single: bool, draws: int, seed: int) -> str:
-    """The p-value of after against before, (problems,) each: with one seed a side (0/1 scores)
-    the exact McNemar test with (gained, lost); else the sign-flip test on the per-problem
-    means ('<=' where it is the floor of its `draws`)."""
-    if single:
+def paired_test(before: np.ndarray, after: np.ndarray, seeds_before: int, seeds_after: int) -> str:
+    """The p-value of after against before, (problems,) means over each side's seeds: with one
+    seed a side (0/1 scores) the exact McNemar test with (gained, lost); else the exact sign-flip
+    test on the per-problem differences."""
+    if seeds_before == seeds_after == 1:
         b, c = gained_lost(before, after)
         return f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
-    p = sign_flip_p(after - before, draws, seed)
-    return f"{'<= ' if p <= 1 / (draws + 1) else ''}{p:.3g} (sign-flip)"
+    steps = np.rint((after - before) * seeds_before * seeds_after)  # integers: k/n minus j/m, times n m
+    return f"{sign_flip_p(steps):.3g} (sign-flip)"
 
 
 def interval(lo: float, hi: float, signed: bool = False) -> str:
@@ -197,7 +218,13 @@ def lead_tables(folder: str, draws: int, seed: int) -> None:
         lo, hi = paired_bootstrap(a, b, draws, seed)
         print(f"\nSFT + GRPO against GRPO alone, per-problem accuracy over seeds {', '.join(map(str, both))} of "
               f"each: {100 * (b - a).mean():+.1f} {interval(lo, hi, True)}, p = "
-              f"{paired_test(a, b, len(both) == 1, draws, seed)}")
+              f"{paired_test(a, b, len(both), len(both))}")
+        accs = {r: [scores[r][s].mean() for s in both] for r in ("grpo", "sft_grpo")}
+        p, floor = seed_permutation_p(accs["grpo"], accs["sft_grpo"])
+        each = {r: f"{pct(np.mean(x))} ({', '.join(pct(v) for v in x)})" for r, x in accs.items()}
+        print(f"\nThe same seeds as the unit (a seed's accuracy one value): GRPO {each['grpo']}, SFT + GRPO "
+              f"{each['sft_grpo']}; exact permutation p = {p:.3g} over the {math.comb(2 * len(both), len(both))} "
+              f"splits (no split gives less than {floor:.3g})")
     public_sets(folder, draws, seed)
 
 
@@ -213,7 +240,7 @@ def held_out_rows(folder: str, draws: int, seed: int) -> dict:
     base = one_sample_each(start, start_path)  # (problems,)
     scores = {}  # row -> {seed: (problems,) 0/1}
     print(f"Held out ({len(base)} problems, k = 1 a seed):\n")
-    print("| policy | seeds | accuracy [95% CI] | gain over start [paired 95% CI] | p (gained, lost) |")
+    print("| policy | seeds | accuracy [95% CI over problems] | gain over start [paired 95% CI] | p (gained, lost) |")
     print("|---|---|---|---|---|")
     for row, name in LEAD_ROWS:
         files = seed_files(folder, f"heldout_{row}")
@@ -234,7 +261,7 @@ def held_out_rows(folder: str, draws: int, seed: int) -> dict:
         if row != "start":
             glo, ghi = paired_bootstrap(base, mean, draws, seed)
             gain = f"{100 * (mean - base).mean():+.1f} {interval(glo, ghi, True)}"
-            test = paired_test(base, mean, single, draws, seed)
+            test = paired_test(base, mean, 1, len(runs))
         print(f"| {name} | {', '.join(map(str, scores[row]))} | {acc} | {gain} | {test} |")
     return scores
 

@@ -353,17 +353,27 @@ def test_wilson_interval_bootstrap_and_sign_flip_by_hand():
     """Wilson's interval by hand: 0 of 100 is [0, z^2 / (100 + z^2)] = [0.0, 3.7]; 1 of 4 is
     [4.6, 69.9]. Per-problem means over two seeds, a: 1, .5, 0, 0 and b: 1, 1, .5, .5:
     differences 0, .5, .5, .5 (mean +37.5); the bootstrap mean of 4 resampled is 0.125 or less
-    in 5.1% and 0.5 in 31.6% of draws, so [+12.5, +50.0]; sign flips of the three .5s reach
-    |sum| 1.5 in 2 of 8 patterns: p = 0.25."""
+    in 5.1% and 0.5 in 31.6% of draws, so [+12.5, +50.0]; sign flips of the three .5s (2 each
+    at the scale 2 x 2) reach |sum| 1.5 in 2 of 8 patterns: p = 0.25. The sign-flip test is
+    exact at any count (it sampled 10,000 patterns past 16 nonzero differences and printed
+    '<= 1e-4' under that floor): 20 differences of +1 give 2 / 2^20, 16 give 2 / 2^16 = 3.05e-05,
+    printed as it is. The seed-level permutation test by hand: seeds 73, 59 against 79, 67 split
+    6 ways with |gaps| 7, 13, 1, 1, 13, 7: p = 4/6, at least 2/6; 1, 2, 3 against 4, 5, 6: 2 of
+    20 splits reach 3."""
     import compare
 
     assert [round(100 * x, 1) for x in compare.wilson(0, 100)] == [0.0, 3.7]
     assert [round(100 * x, 1) for x in compare.wilson(1, 4)] == [4.6, 69.9]
     a, b = np.array([1, 0.5, 0, 0]), np.array([1, 1, 0.5, 0.5])
     assert compare.paired_bootstrap(a, b, 10000, 0) == (0.125, 0.5)
-    assert compare.sign_flip_p(b - a, 10000, 0) == 0.25
-    # sampled (exact_up_to=0): 10,000 draws estimate the exact 0.25 with a standard error of 0.0043
-    assert abs(compare.sign_flip_p(b - a, 10000, 0, exact_up_to=0) - 0.25) < 0.02
+    assert compare.sign_flip_p((b - a) * 4) == 0.25
+    assert compare.paired_test(a, b, 2, 2) == "0.25 (sign-flip)"
+    # +-3 +-1 +-2 (observed 3 - 1 + 2 = 4): sums 6, 2, 4, 0, 0, -4, -2, -6 reach |4| in 4 of 8
+    assert compare.sign_flip_p(np.array([3, -1, 0, 2])) == 0.5
+    assert compare.sign_flip_p(np.ones(20)) == 2 / 2**20
+    assert compare.paired_test(np.zeros(16), np.ones(16) / 2, 2, 2) == "3.05e-05 (sign-flip)"
+    assert compare.seed_permutation_p([0.73, 0.59], [0.79, 0.67]) == (4 / 6, 2 / 6)
+    assert compare.seed_permutation_p([1, 2, 3], [4, 5, 6]) == (0.1, 0.1)
 
 
 def test_the_echo_floor_is_zero_under_the_strict_rule_A19():
@@ -790,6 +800,9 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     assert "| 1 (0, 1) |" in out and "| SFT | " not in out  # no row without its samples
     # seeds 0 and 2 of each: grpo [1, 0.5, 0.5, 0], sft_grpo all 1: +50.0; |sums| of (0.5, 0.5, 1): p = 2/8
     assert "per-problem accuracy over seeds 0, 2 of each: +50.0 [" in out and "], p = 0.25 (sign-flip)\n" in out
+    # seeds as the unit: 50, 50 against 100, 100; of the 6 splits, the observed and its mirror reach |50|
+    assert "GRPO 50.0 (50.0, 50.0), SFT + GRPO 100.0 (100.0, 100.0); exact permutation p = 0.333 over the 6 " \
+        "splits (no split gives less than 0.333)\n" in out
     # math500: 4 gained, 1 lost: McNemar 2 (1 + 5) / 32 = 0.375; gsm8k 2, 0: 2 / 4 = 0.5; Holm: 0.75, then 0.75
     assert "(k = 1; SFT + GRPO's seed 0; p adjusted by Holm's method for the two sets)" in out
     assert "| MATH-500, integer answers | 6 | 33.3 [9.7, 70.0] | 83.3 [43.6, 97.0] | +50.0 [" in out
