@@ -123,6 +123,8 @@ def sign_flip_p(steps: np.ndarray) -> float:
     take few values with many ties and zeros, where Wilcoxon's normal approximation is shaky;
     this test needs only the symmetry. It holds the trained checkpoints fixed: see
     `seed_permutation_p` for the seeds' own spread."""
+    if not np.array_equal(steps, np.rint(steps)):
+        raise ValueError(f"sign_flip_p takes integer differences (scale the means), got {steps}")
     sizes = np.abs(steps).astype(int)
     total = int(sizes.sum())
     null = np.zeros(2 * total + 1)  # null[j] = P(sum = j - total)

@@ -371,6 +371,9 @@ def test_wilson_interval_bootstrap_and_sign_flip_by_hand():
     # +-3 +-1 +-2 (observed 3 - 1 + 2 = 4): sums 6, 2, 4, 0, 0, -4, -2, -6 reach |4| in 4 of 8
     assert compare.sign_flip_p(np.array([3, -1, 0, 2])) == 0.5
     assert compare.sign_flip_p(np.ones(20)) == 2 / 2**20
+    assert compare.sign_flip_p(np.zeros(3)) == 1.0  # no difference at all
+    with pytest.raises(ValueError, match="integer differences"):
+        compare.sign_flip_p(b - a)  # halves would be truncated to 0
     assert compare.paired_test(np.zeros(16), np.ones(16) / 2, 2, 2) == "3.05e-05 (sign-flip)"
     assert compare.seed_permutation_p([0.73, 0.59], [0.79, 0.67]) == (4 / 6, 2 / 6)
     assert compare.seed_permutation_p([1, 2, 3], [4, 5, 6]) == (0.1, 0.1)
