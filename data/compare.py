@@ -211,7 +211,8 @@ def interval(lo: float, hi: float, signed: bool = False) -> str:
 def lead_tables(folder: str, draws: int, seed: int) -> None:
     """The README's lead, from the committed k = 1 samples in `folder` (data/recipe/) alone: the
     held-out rows (`held_out_rows`), SFT + GRPO against GRPO over the seeds both have (the
-    paper's question), then the public sets (`public_sets`). Raises InputError for unpaired
+    paper's question) per problem (`paired_test`) and with each seed as the unit
+    (`seed_permutation_p`), then the public sets (`public_sets`). Raises InputError for unpaired
     files or k > 1."""
     scores = held_out_rows(folder, draws, seed)
     both = sorted(set(scores.get("grpo", {})) & set(scores.get("sft_grpo", {})))
