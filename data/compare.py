@@ -195,11 +195,15 @@ def gained_lost(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
 def paired_test(before: np.ndarray, after: np.ndarray, seeds_before: int, seeds_after: int) -> str:
     """The p-value of after against before, (problems,) means over each side's seeds: with one
     seed a side (0/1 scores) the exact McNemar test with (gained, lost); else the exact sign-flip
-    test on the per-problem differences."""
+    test on the per-problem differences. Raises ValueError when a mean is not one over its
+    side's seed count (k / n with integer k)."""
     if seeds_before == seeds_after == 1:
         b, c = gained_lost(before, after)
         return f"{mcnemar_exact(b, c):.3g} ({b}, {c})"
-    steps = np.rint((after - before) * seeds_before * seeds_after)  # integers: k/n minus j/m, times n m
+    scaled = (after - before) * seeds_before * seeds_after  # k/n minus j/m, times n m: integers, up to rounding
+    steps = np.rint(scaled)
+    if not np.allclose(scaled, steps, rtol=0, atol=1e-6):
+        raise ValueError(f"paired_test: accuracies are not means over {seeds_before} and {seeds_after} seeds")
     return f"{sign_flip_p(steps):.3g} (sign-flip)"
 
 

@@ -375,6 +375,9 @@ def test_wilson_interval_bootstrap_and_sign_flip_by_hand():
     with pytest.raises(ValueError, match="integer differences"):
         compare.sign_flip_p(b - a)  # halves would be truncated to 0
     assert compare.paired_test(np.zeros(16), np.ones(16) / 2, 2, 2) == "3.05e-05 (sign-flip)"
+    assert compare.paired_test(np.zeros(3), np.ones(3) * 2 / 3, 3, 3) == "0.25 (sign-flip)"  # 6, 6, 6 at 3 x 3
+    with pytest.raises(ValueError, match="means over 2 and 2 seeds"):
+        compare.paired_test(a, b + 1 / 3, 2, 2)  # thirds are not means over two seeds: rounding hid it
     assert compare.seed_permutation_p([0.73, 0.59], [0.79, 0.67]) == (4 / 6, 2 / 6)
     assert compare.seed_permutation_p([1, 2, 3], [4, 5, 6]) == (0.1, 0.1)
 
