@@ -141,10 +141,13 @@ from typing import NamedTuple
 # The contract: what a trajectory is (prompts, roles, Sample, its text's segments)
 
 SYSTEM_PROMPT = """You solve math problems by thinking in code.
-First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in ```python ... ```.
+First write a short plan in plain words (a few sentences). Then write only Python code blocks, each in \
+```python ... ```.
 After each block the system runs it and shows what it printed in an ```output block; use it to decide the next block.
-Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each block imports and defines what it needs.
-numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second independent method), not in prose.
+Every block is a complete program run on its own: nothing (variables, imports, functions) carries over, so each \
+block imports and defines what it needs.
+numpy, scipy and sympy are available. Print every result you rely on. Check your work inside code (asserts, a second \
+independent method), not in prose.
 When a block has printed the answer, finish with \\boxed{answer} and nothing else."""
 
 # --stateful (Sandbox.run's history): its own text, so that either prompt changes alone (tests/faults.md L30)

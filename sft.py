@@ -587,7 +587,8 @@ def save_checkpoint(out_dir: str, model, tokenizer, args: dict, trainer_state: d
             executor.drop_gguf_marker(lm)  # (a model given here, not loaded by executor.load_model)
             lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            executor.write_json_atomic(os.path.join(tmp, "args.json"), {**args, "checkpoint": True, "world_size": world})
+            executor.write_json_atomic(os.path.join(tmp, "args.json"),
+                                       {**args, "checkpoint": True, "world_size": world})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

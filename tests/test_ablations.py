@@ -8,10 +8,10 @@ advantage, the loss, its normaliser, the samples in it or the bounds).
 |---|---|---|
 | another reward | `--reward FILE.py:FUNCTION` | test_another_reward_from_a_file_L10_L11 |
 | token-level advantages | `grpo.compute_advantages` returning (N, T), `grpo.has_signal` | test_token_level_advantages |
-| a batch-mean baseline | `grpo.compute_advantages`, `grpo.has_signal` | test_batch_mean_baseline_keeps_constant_groups_L12 |
+| a batch-mean baseline | `grpo.compute_advantages`, `has_signal` | test_batch_mean_baseline_keeps_constant_groups_L12 |
 | an added entropy term | `grpo.policy_loss` | test_entropy_bonus_in_the_loss_is_trained_and_logged_L13 |
 | Dr. GRPO | `grpo.compute_advantages`, `grpo.loss_normalizer` | test_dr_grpo_L28 |
-| KL to a reference policy | `grpo.policy_loss` (`batch["ref_logprobs"]`, reference from `args.model`) | test_kl_to_a_reference_policy_L29 |
+| KL to a reference policy | `grpo.policy_loss` (`ref_logprobs`, from `--model`) | test_kl_to_a_reference_policy_L29 |
 | TIS | `--tis-cap` | test_tis_weights_each_token_L20 |
 | DAPO overlong masking | `grpo.in_loss` | test_overlong_masking_keeps_zero_var_share_L21 |
 | DAPO soft length penalty | `--reward` with `args` | test_soft_length_penalty_reads_the_run_flags_L23 |

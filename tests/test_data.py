@@ -256,7 +256,8 @@ EVALS = ([f"{b}_{r}" for b in ("math500", "gsm8k") for r in ("start", "sft_grpo"
 def mark_done(runs, parts, samples=None):
     """runs/done.txt naming `parts`; each evaluation among them keeps `samples` (rows; default
     recipe_rows of a start model) as its output, which a done part must still have."""
-    rows = samples or recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"], [100, 768, 500, 768])
+    rows = samples or recipe_rows([True, False, False, False], ["stop", "length", "stop", "length"],
+                                  [100, 768, 500, 768])
     for name in set(parts) & set(EVALS):
         (runs / name).mkdir(parents=True, exist_ok=True)
         if not (runs / name / "samples.jsonl").exists():
@@ -344,9 +345,9 @@ def test_compare_budgets_give_the_smallest_whose_double_adds_under_the_gain(tmp_
     with gzip.open(bad, "wt") as f:
         f.write('{"id": "p1"}\n')
     assert ex.cli(compare.main, [str(bad)]) == 2
-    assert capsys.readouterr().err == f"compare.py: error: {bad}:1: missing field(s) benchmark, answer, pred, correct, " \
-        "sample_idx, finish_reason, completion, blocks, n_code_blocks, n_exec_errors, completion_tokens, model_tokens, " \
-        "plan_tokens\n"
+    assert capsys.readouterr().err == f"compare.py: error: {bad}:1: missing field(s) benchmark, answer, pred, " \
+        "correct, sample_idx, finish_reason, completion, blocks, n_code_blocks, n_exec_errors, completion_tokens, " \
+        "model_tokens, plan_tokens\n"
 
 
 def test_wilson_interval_bootstrap_and_sign_flip_by_hand():
@@ -401,7 +402,8 @@ def test_group_permuted_reward_keeps_each_groups_rewards():
     order, so group 1 keeps one 1 and group 2 two 1s under every seed."""
     import permuted_reward as pr
 
-    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in ("4", "5", None, "10", "10", "3")]
+    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x)
+               for x in ("4", "5", None, "10", "10", "3")]
     problems = [{"id": "q1", "answer": "4"}] * 3 + [{"id": "q2", "answer": "10"}] * 3
     orders = [pr.group_permuted_reward(samples, problems, seed=seed) for seed in range(20)]
     assert all(sum(o[:3]) == 1.0 and sum(o[3:]) == 2.0 and len(o) == 6 for o in orders)
@@ -420,7 +422,8 @@ def test_permuted_reward_is_a_seeded_permutation_of_the_answer_rewards():
     seeded order: the same for the same seed and problems."""
     import permuted_reward as pr
 
-    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x) for x in ("4", "5", None, "10", "10", "3")]
+    samples = [ex.Sample(prompt_ids=[], ids=[], roles=[], logprobs=[], pred=x)
+               for x in ("4", "5", None, "10", "10", "3")]
     problems = [{"id": "q1", "answer": "4"}, {"id": "q2", "answer": "10"}]
     assert pr.answer_rewards(samples, problems) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     assert pr.answer_rewards(samples[:2], [problems[0], problems[0]]) == [1.0, 0.0]  # one problem per sample
@@ -459,7 +462,8 @@ def test_recipe_script_skips_done_parts_and_tables_come_from_the_exported_files(
     assert outputs[0] == outputs[1]
     assert sorted(outputs[0]) == sorted([f"{p}.samples.jsonl.gz" for p in EVALS] + ["settings.txt", "tables.md",
                                                                                    "times.tsv"])
-    assert gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"]) == (runs / "heldout_grpo/samples.jsonl").read_bytes()
+    assert (gzip.decompress(outputs[0]["heldout_grpo.samples.jsonl.gz"])
+            == (runs / "heldout_grpo/samples.jsonl").read_bytes())
     tables = outputs[0]["tables.md"].decode().splitlines()
     assert tables[0] == "# data/recipe.sh at B = 768 model tokens"
     assert ("| heldout_grpo | 75.0 [30.1, 95.4] | 100.0 (3 of 3) | 75.0 | 1.00 | 50.0 (of 4) | +50.0 [+0.0, +100.0] "
@@ -611,7 +615,8 @@ def hold_lock(path, text=None):
     if text is not None:
         path.write_text(text)
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys\nf = open(sys.argv[1], 'a')\n"
-                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\nsys.stdin.read()", str(path)],
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\nsys.stdin.read()",
+                               str(path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
     return holder
@@ -667,7 +672,8 @@ def test_recipe_script_refuses_what_would_wait_forever_or_run_twice(tmp_path):
                               text=True, timeout=50)
 
     run = recipe("heldout_sft")
-    assert run.returncode == 1 and "heldout_sft needs sft, which is not done and no running recipe process" in run.stderr
+    assert (run.returncode == 1
+            and "heldout_sft needs sft, which is not done and no running recipe process" in run.stderr)
     other = hold_lock(runs / "lock.math500_start")
     try:
         run = recipe("math500_start")
@@ -704,14 +710,15 @@ def test_recipe_state_files_and_numbers_are_checked_P7(tmp_path):
     run = recipe()
     assert run.returncode == 1 and "== heldout_sft: listed in" in run.stdout and "torchrun evaluate.py" in run.stderr
     run = recipe(BUDGET="512")
-    assert run.returncode == 2 and run.stderr.endswith(f"its parts were made with B=768 K=1 TOOLS=6 TEACHER=qwen2.5-coder-1.5b "
-                                                       "DISTILL_N=96 SFT_BATCH=8 SFT_EPOCHS=3 STEPS=6 PROMPTS=8 G=4 LR=1e-5 "
-                                                       "PUBLIC_N=100 PUBLIC_ALL_N=500 MATH500=math500_int.jsonl "
+    assert run.returncode == 2 and run.stderr.endswith(f"its parts were made with B=768 K=1 TOOLS=6 "
+                                                       "TEACHER=qwen2.5-coder-1.5b DISTILL_N=96 SFT_BATCH=8 "
+                                                       "SFT_EPOCHS=3 STEPS=6 PROMPTS=8 G=4 LR=1e-5 PUBLIC_N=100 "
+                                                       "PUBLIC_ALL_N=500 MATH500=math500_int.jsonl "
                                                        "GSM8K=gsm8k_test.jsonl, this run has B=512 K=1 TOOLS=6 "
-                                                       "TEACHER=qwen2.5-coder-1.5b DISTILL_N=96 SFT_BATCH=8 SFT_EPOCHS=3 "
-                                                       "STEPS=6 PROMPTS=8 G=4 LR=1e-5 PUBLIC_N=100 PUBLIC_ALL_N=500 "
-                                                       "MATH500=math500_int.jsonl GSM8K=gsm8k_test.jsonl: use another "
-                                                       "R and OUT_DIR\n")
+                                                       "TEACHER=qwen2.5-coder-1.5b DISTILL_N=96 SFT_BATCH=8 "
+                                                       "SFT_EPOCHS=3 STEPS=6 PROMPTS=8 G=4 LR=1e-5 PUBLIC_N=100 "
+                                                       "PUBLIC_ALL_N=500 MATH500=math500_int.jsonl "
+                                                       "GSM8K=gsm8k_test.jsonl: use another R and OUT_DIR\n")
     assert run.stderr.startswith(f"{runs}/settings.txt: ")
     for extra, line in (({"PARTS": "   "}, "PARTS holds only blanks: name parts, or unset it for every part\n"),
                         ({"RANKS": "0"}, "RANKS must be a positive integer, got '0'\n"),

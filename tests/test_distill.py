@@ -61,7 +61,8 @@ def test_rule_boundaries():
     assert f(good_record(plan_tokens=0, completion_tokens=0)) == ["long_plan"]
     # (ii) an error only in the last block; every non-ok status counts
     for status in ("error", "timeout", "memory", "killed"):
-        blocks = [{"code": "1\n", "output": "", "status": "ok"}] * 3 + [{"code": "1/0\n", "output": "E", "status": status}]
+        blocks = ([{"code": "1\n", "output": "", "status": "ok"}] * 3
+                  + [{"code": "1/0\n", "output": "E", "status": status}])
         assert f(good_record(blocks=blocks, n_code_blocks=4)) == ["exec_error"], status
     # (i) the answer only in an output block: the model's own pred is None
     only_out = ("Plan.\n```python\nprint('\\\\boxed{42}')\n```\n```output\n\\boxed{42}\n```\n"

@@ -118,7 +118,8 @@ def test_math_style_solution_field_gives_its_boxed_answer(tmp_path):
               + json.dumps({"problem": "y?", "solution": "no box here"}) + "\n")
     with pytest.raises(ValueError, match=r"m.jsonl:2: field 'solution' has no"):
         ex.read_problems(p)
-    p = write(tmp_path / "m1.jsonl", json.dumps({"problem": "x?", "solution": "So $x = \\boxed{\\frac{1}{2}}$."}) + "\n")
+    p = write(tmp_path / "m1.jsonl",
+              json.dumps({"problem": "x?", "solution": "So $x = \\boxed{\\frac{1}{2}}$."}) + "\n")
     assert ex.read_problems(p)[0]["answer"] == "\\frac{1}{2}"
 
 

@@ -61,7 +61,8 @@ def test_load_model_ties_a_packaged_model_marked_tied_head(tokenizer, tmp_path, 
     assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight
     assert torch.equal(tied.get_input_embeddings().weight, plain.get_output_embeddings().weight)
     assert plain.get_input_embeddings().weight is not plain.get_output_embeddings().weight
-    assert ex.PACKAGED_MODELS["qwen2.5-coder-0.5b"]["tied_head"] and ex.PACKAGED_MODELS["qwen2.5-coder-1.5b"]["tied_head"]
+    assert (ex.PACKAGED_MODELS["qwen2.5-coder-0.5b"]["tied_head"]
+            and ex.PACKAGED_MODELS["qwen2.5-coder-1.5b"]["tied_head"])
 
 
 # -----------------------------------------------------------------------------

@@ -884,7 +884,8 @@ def _worker(out_dir, tiny_dir):
     zero_run("zero_plain", "--steps", "2")
     zero_run("zero", "--steps", "2", "--shard-optimizer")
     zero_run("zero_resumed", "--steps", "1", "--shard-optimizer")
-    zero_run("zero_resumed", "--steps", "2", "--shard-optimizer", "--resume", os.path.join(out_dir, "zero_resumed", "latest"))
+    zero_run("zero_resumed", "--steps", "2", "--shard-optimizer", "--resume",
+             os.path.join(out_dir, "zero_resumed", "latest"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 

@@ -528,7 +528,8 @@ def _cut_amount(output):
 @pytest.mark.parametrize("code,head,tail,total", [
     ('print("x" * 10**8)', "x" * 900, "x" * 900 + "\n", 10**8 + 1),
     # (in ten writes: output is unbuffered as in `python -u`, 10**7 prints would be 2 * 10**7 syscalls)
-    ("import sys\nfor k in range(10):\n    sys.stdout.write(''.join(f'{i}\\n' for i in range(k * 10**6, (k + 1) * 10**6)))",
+    ("import sys\nfor k in range(10):\n"
+     "    sys.stdout.write(''.join(f'{i}\\n' for i in range(k * 10**6, (k + 1) * 10**6)))",
      "0\n1\n2\n3\n", "9999998\n9999999\n",
      sum(len(str(i)) + 1 for i in range(10**7))),
     ('print("A" * 10**6); print("FINAL=42")', "A" * 900, "A" * 900 + "\nFINAL=42\n", 10**6 + 10),
@@ -920,7 +921,8 @@ def test_output_before_a_segfault_is_kept(sb):
 @pytest.mark.timeout(30)
 def test_child_process_output_interleaved_in_write_order(sb):
     r = sb.run("import os, subprocess, sys\nprint('a')\nsubprocess.run(['echo', 'b'])\nprint('c')\n"
-               "os.system('echo d >&2')\nprint('e', file=sys.stderr)\nsubprocess.run([sys.executable, '-c', 'print(6)'])\n")
+               "os.system('echo d >&2')\nprint('e', file=sys.stderr)\n"
+               "subprocess.run([sys.executable, '-c', 'print(6)'])\n")
     assert (r.status, r.output) == ("ok", "a\nb\nc\nd\ne\n6\n"), r.output
 
 
@@ -1008,7 +1010,8 @@ def test_twice_detached_grandchild_does_not_outlive_the_block(tmpdir_for_blocks)
             # (the parent ends once the grandchild is about to exec, not after a fixed sleep)
             r = box.run("import os\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                         "        os.setsid()\n        os.write(w, b'x')\n"
-                        f"        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\nos.read(r, 1)\nprint('parent done')\n")
+                        f"        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\n"
+                        "os.read(r, 1)\nprint('parent done')\n")
             assert (r.status, r.output) == ("ok", "parent done\n")
             if box.contained:
                 assert _pids_with_cmdline(m) == []  # gone with the block, not only with close()
@@ -1371,7 +1374,8 @@ def test_s18_output_that_looks_like_a_sandbox_message_is_output(sb):
 def test_s19_blocks_share_no_sysv_or_posix_ipc(sb):
     key = random.randrange(10**6, 10**8)
     shm = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmget.restype = ctypes.c_int\n"
-           f"print(libc.shmget({key}, 2**20, {{flags}}) >= 0, libc.mq_open(b'/thinc_q{key}', {{mq}}, 0o600, None) >= 0)\n")
+           f"print(libc.shmget({key}, 2**20, {{flags}}) >= 0, "
+           f"libc.mq_open(b'/thinc_q{key}', {{mq}}, 0o600, None) >= 0)\n")
     made = sb.run(shm.format(flags=0o1600, mq=0o100 | 2))  # IPC_CREAT | 0600; O_CREAT | O_RDWR
     assert made.output == "True True\n", made.output
     seen = sb.run(shm.format(flags=0, mq=0)).output
@@ -1394,7 +1398,8 @@ def test_s20_block_reads_no_key_of_the_caller_and_leaves_none(tmpdir_for_blocks)
     serial = _keyctl(nr["add_key"], b"user", b"thinc_test_key", b"hunter2", 7, -3)  # into the session keyring
     try:
         with Sandbox(workers=1, timeout=5) as box:
-            r = box.run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(64)\n"
+            r = box.run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                        f"buf = ctypes.create_string_buffer(64)\n"
                         f"print(libc.syscall({nr['request_key']}, b'user', b'thinc_test_key', None, 0),"
                         f" libc.syscall({nr['keyctl']}, 11, {serial}, buf, 64), buf.value,"  # KEYCTL_READ
                         f" libc.syscall({nr['add_key']}, b'user', b'left', b'x', 1, -4))")  # into the user keyring
@@ -1409,7 +1414,8 @@ def test_s21_no_user_namespace_to_hide_processes_in(sb):
     r = sb.run("import ctypes, os, subprocess\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                "print(libc.unshare(0x10000000), ctypes.get_errno() == 1)\n"  # CLONE_NEWUSER -> EPERM
                "print(subprocess.run(['unshare', '-U', '-r', 'true'], capture_output=True).returncode != 0)\n"
-               "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+               "pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+               "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
     assert r.output == ("-1 True\nTrue\n7\n" if sb.contained else r.output), r.output
     assert r.status == "ok"
 
@@ -1492,12 +1498,14 @@ def test_s22_threads_count_towards_the_fork_bomb_limit(sb):
 SEMANTICS = {
     "__file__": "import os\nprint(os.path.basename(__file__)[-3:], open(__file__).read() == open(__file__).read())\n",
     "isolated": "import sys\nprint(sys.flags.isolated)\n",
-    "excepthook": "import sys\nsys.excepthook = lambda t, v, tb: print('hook:', t.__name__, v)\nraise ValueError('x')\n",
+    "excepthook": "import sys\nsys.excepthook = lambda t, v, tb: print('hook:', t.__name__, v)\n"
+                  "raise ValueError('x')\n",
     "del-and-unflushed": "class A:\n    def __del__(self):\n        print('del')\na = A()\n"
                          "out = open(1, 'w', closefd=False)\nout.write('buffered, never flushed\\n')\n",
     "close-1-2": "import os, sys\nprint('x')\nos.close(1)\nos.close(2)\nsys.exit(3)\n",
     "closerange": "import os\nos.closerange(3, 1024)\nprint('after')\n",
-    "stdin": "import sys\nprint(repr(sys.stdin.read()), sys.stdin.buffer.read(), sys.stdin.fileno(), sys.stdin.encoding)\n",
+    "stdin": "import sys\n"
+             "print(repr(sys.stdin.read()), sys.stdin.buffer.read(), sys.stdin.fileno(), sys.stdin.encoding)\n",
     "spawn-pool": "import multiprocessing as mp\ndef sq(x):\n    return x * x\nif __name__ == '__main__':\n"
                   "    with mp.get_context('spawn').Pool(2) as pool:\n        print(pool.map(sq, range(5)))\n",
     "spawn-process": "import multiprocessing as mp\ndef hello(q):\n    q.put('from the child')\n"
@@ -1539,7 +1547,8 @@ def test_s23_stateful_earlier_base_exception_or_thread_exit_ends_only_that_block
 def test_s24_trajectory_printer_shows_control_characters_escaped(sb):
     out = sb.run("print('\\x1b[2J\\x1b]0;owned\\x07 nul\\0 cr\\r c1\\x9b del\\x7f tab\\t end')").output
     record = {"id": "p", "problem": "q\x1b[31m",
-              "completion": "Plan.\n```python\nx\n```\n```output\n" + out + "```\n\\boxed{1}", "blocks": [{"code": "x", "status": "ok", "output": out}], "answer": "1", "pred": "1", "correct": True}
+              "completion": "Plan.\n```python\nx\n```\n```output\n" + out + "```\n\\boxed{1}",
+              "blocks": [{"code": "x", "status": "ok", "output": out}], "answer": "1", "pred": "1", "correct": True}
     text = ex.format_trajectory(record)
     assert "output 1:\n\\x1b[2J\\x1b]0;owned\\x07 nul\\x00 cr\\r c1\\x9b del\\x7f tab\t end\n" in text, text
     assert "problem p: q\\x1b[31m\n" in text
@@ -1575,7 +1584,8 @@ def test_s26_no_network_no_open_file_flood_and_the_block_dies_first_out_of_memor
         r = sb.run("import resource, socket\ntry:\n"
                    f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('reached')\n"
                    "except OSError as e:\n    print(type(e).__name__)\n"
-                   "print(resource.getrlimit(resource.RLIMIT_NOFILE))\nprint(open('/proc/self/oom_score_adj').read().strip())")
+                   "print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+                   "print(open('/proc/self/oom_score_adj').read().strip())")
     finally:
         server.close()
     lines = r.output.splitlines()
@@ -1891,7 +1901,8 @@ def test_a_caller_that_is_not_root_gets_contained_blocks_S43(tmp_path):
               f"import os\nprint([os.path.exists(p) for p in ({str(secret)!r}, {ROOT + '/data'!r}, "
               f"{ROOT + '/executor.py'!r})])", "while True: pass"]
     answer, err = _caller(blocks, _as_user(), timeout=2)
-    assert answer == {"contained": True, "results": [["ok", "2 0000000000000000 ['lo']\n"], ["ok", "[False, False, False]\n"],
+    assert answer == {"contained": True, "results": [["ok", "2 0000000000000000 ['lo']\n"],
+                                                     ["ok", "[False, False, False]\n"],
                                                      ["timeout", answer["results"][2][1]]]}, (answer, err)
     assert 'File "<code>", line 1' in answer["results"][2][1]
 

@@ -196,7 +196,8 @@ def test_roles_outputs_and_mask_outputs(tokenizer):
     ({"problem": "p", "completion": 12345}, "field 'completion' must be a string, got int"),
     ({"problem": ["p"], "completion": "c"}, "field 'problem' must be a string"),
     ({"problem": "p", "completion": "c", "blocks": "oops"}, "field 'blocks' must be a list"),
-    ({"problem": "p", "completion": "c", "blocks": [{"code": "1"}]}, "field 'blocks' must be a list of objects with a string 'output'"),
+    ({"problem": "p", "completion": "c", "blocks": [{"code": "1"}]},
+     "field 'blocks' must be a list of objects with a string 'output'"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_bad_trajectory_rows_name_file_line_and_field(tmp_path, row, msg):

@@ -7,8 +7,8 @@ Not a test (pytest does not collect it).
     python tests/benchmarks/bench_grpo.py --model /path/to/Qwen2.5-0.5B-Instruct
 
 Both sides: the same model and prompts (the THINC system prompt + a problem), G samples per
-prompt, exactly `--new-tokens` completion tokens (no EOS on either side), temperature 1, no KL, eps 0.20 / 0.28, token-level
-loss, one optimizer step per rollout batch, and a toy reward with signal (first completion
+prompt, exactly `--new-tokens` completion tokens (no EOS on either side), temperature 1, no KL, eps 0.20 / 0.28,
+token-level loss, one optimizer step per rollout batch, and a toy reward with signal (first completion
 token id even). Single turn: no code is executed (a fair comparison with TRL, which has no
 tool loop). Target: grpo.py >= 1.5x faster per step.
 """
@@ -68,7 +68,8 @@ def bench_trl(lm, tok, problems, a):
     def trl_reward(completions, completion_ids=None, **kw):
         return [float(bool(c) and c[0] % 2 == 0) for c in completion_ids]
 
-    cfg = GRPOConfig(output_dir="/tmp/bench_trl", num_generations=a.group, per_device_train_batch_size=a.prompts * a.group,
+    cfg = GRPOConfig(output_dir="/tmp/bench_trl", num_generations=a.group,
+                     per_device_train_batch_size=a.prompts * a.group,
                      max_completion_length=a.new_tokens, temperature=1.0, beta=0.0, epsilon=0.20, epsilon_high=0.28,
                      loss_type="dapo", learning_rate=1e-6, max_steps=a.steps, logging_steps=1, report_to=[],
                      save_strategy="no", use_cpu=not torch.cuda.is_available(),
@@ -128,7 +129,8 @@ def main():
     if trl and trl[0]:
         t = statistics.median(trl[0])
         length = f", {statistics.median(trl[1]):.0f} completion tokens / sample" if trl[1] else ""
-        print(f"TRL      step {t:.3f} s (median of {len(trl[0])}){length};  speed-up {t / med[0]:.2f}x (target >= 1.5x)")
+        print(f"TRL      step {t:.3f} s (median of {len(trl[0])}){length};  "
+              f"speed-up {t / med[0]:.2f}x (target >= 1.5x)")
 
 
 if __name__ == "__main__":

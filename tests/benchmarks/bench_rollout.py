@@ -156,7 +156,8 @@ def main():
             t_ours, t_gen, (ours, ref) = best(
                 lambda: ex.rollout(model, tok, prompts, sb, temperature=0, max_new_tokens=T, max_context=1 << 20),
                 generate)
-            same = all(o.ids[len(pr):] == ref[i, ids.shape[1]:].tolist() for i, (o, pr) in enumerate(zip(ours, prompts)))
+            same = all(o.ids[len(pr):] == ref[i, ids.shape[1]:].tolist()
+                       for i, (o, pr) in enumerate(zip(ours, prompts)))
             n = args.batch * T
             print(f"(a) decode batch {args.batch} x {T} tokens: engine {n / t_ours:.1f} tok/s, "
                   f"generate {n / t_gen:.1f} tok/s, ratio {t_gen / t_ours:.2f}x (same tokens: {same})")
@@ -213,7 +214,8 @@ def main():
             n = sum(s.n_model_tokens for s in cont)
             at_budget = sum(s.finish_reason == "length" for s in cont)
             same = [s.ids for s in cont] == [s.ids for s in wav]
-            print(f"(c) long tail, {len(cont)} samples of {len(prompts)} prompts ({at_budget} to the budget of {budget} tokens, {n} model "
+            print(f"(c) long tail, {len(cont)} samples of {len(prompts)} prompts "
+                  f"({at_budget} to the budget of {budget} tokens, {n} model "
                   f"tokens), {args.batch} rows: waves {n / t_w:.1f} tok/s, {t_w:.2f} s, occupancy {occ_w:.2f}; "
                   f"continuous {n / t_c:.1f} tok/s, {t_c:.2f} s, occupancy {occ_c:.2f}; ratio {t_w / t_c:.2f}x "
                   f"(same tokens: {same})")

@@ -6,7 +6,8 @@ collect it).
 
 Rows: (a) the sandbox (executor.Sandbox: a fork server; per block a PID, mount and IPC
 namespace, a seccomp filter and, where the caller may make one, a cgroup), (b) a fresh
-`python -c` per block (what a pool of fresh interpreters pays for each block), (c) the fork server of commit ffd26f0 (no namespaces, a subreaper and a /proc
+`python -c` per block (what a pool of fresh interpreters pays for each block), (c) the fork
+server of commit ffd26f0 (no namespaces, a subreaper and a /proc
 scan), loaded from git history into this process only. Columns: median / p90 latency of
 one block when a worker is free, CPU seconds per block (all processes: caller, template,
 block; what competes with decoding on the same cores), and sustained throughput with a

@@ -273,7 +273,8 @@ def main():
         import tiny
         exs, dropped = sft.load_sft_data(data, tiny.make_tokenizer(), a.max_len)
         lens = [len(e["ids"]) for e in exs]
-        print(f"{len(exs)} trajectories ({dropped} dropped), {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}); "
+        print(f"{len(exs)} trajectories ({dropped} dropped), {min(lens)}-{max(lens)} tokens "
+              f"(mean {sum(lens) / len(lens):.0f}); "
               f"model Qwen3 hidden {a.hidden} x {a.layers} layers; global batch {a.global_batch} = "
               f"{a.micro_batch} x {a.global_batch // a.micro_batch}; {a.steps} steps; TRL batches: {a.trl_sampler}",
               flush=True)
@@ -305,9 +306,11 @@ def main():
     t = summarise(res["trl"])
     print(f"TRL {res['trl']['trl']:<7s}{t['tok_s']:5.0f} tok/s  step {t['step_s']:.3f} s  padding {t['pad_frac']:.1%}  "
           f"peak RSS {t['peak_mib']:.0f} MiB (+{t['delta_mib']:.0f} MiB over model+data)")
-    print(f"sft.py / TRL: throughput {o['tok_s'] / t['tok_s']:.2f}x, step time {t['step_s'] / o['step_s']:.2f}x faster, "
-          f"peak RSS {o['peak_mib'] / t['peak_mib']:.2f}x, RSS growth {o['delta_mib'] / max(1e-9, t['delta_mib']):.2f}x")
-    print(f"load average after the run: {os.getloadavg()[0]:.2f} (torch threads per side: {res['trl']['torch_threads']})")
+    print(f"sft.py / TRL: throughput {o['tok_s'] / t['tok_s']:.2f}x, "
+          f"step time {t['step_s'] / o['step_s']:.2f}x faster, peak RSS {o['peak_mib'] / t['peak_mib']:.2f}x, "
+          f"RSS growth {o['delta_mib'] / max(1e-9, t['delta_mib']):.2f}x")
+    print(f"load average after the run: {os.getloadavg()[0]:.2f} "
+          f"(torch threads per side: {res['trl']['torch_threads']})")
     lo = [s["loss"] for s in res["ours"]["steps"]]
     lt = [s.get("loss") for s in res["trl"]["steps"]]
     print("loss per step  sft.py: " + " ".join(f"{x:.4f}" for x in lo))

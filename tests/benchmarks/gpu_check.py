@@ -358,8 +358,8 @@ def batching_row(ctx):
     lm, S = ctx.get(("policy", ctx.S["big"])), ctx.S
     (n, budget, short), rows = S["tail"], S["rollout_batch"]
     model, prompts = bench_rollout.long_tail(lm, ctx.tok, n, S["group"], budget, short)
-    run = lambda p, b, waves: bench_rollout.waves_or_continuous(model, ctx.tok, p, ctx.sandbox, S["group"],  # noqa: E731
-                                                                rows, b, waves)
+    run = lambda p, b, waves: bench_rollout.waves_or_continuous(model, ctx.tok, p, ctx.sandbox,  # noqa: E731
+                                                                S["group"], rows, b, waves)
     run(prompts[:rows // S["group"]], 4, False)  # warm-up
     got = {name: measured(ctx, lambda: run(prompts, budget, name == "waves")) for name in ("waves", "continuous")}
     (t_w, peak_w, (wav, occ_w)), (t_c, peak_c, (cont, occ_c)) = got["waves"], got["continuous"]

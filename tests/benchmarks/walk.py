@@ -96,7 +96,8 @@ def readme_mismatches(totals: dict) -> list:
         quoted = [(int(n), int(m.replace(",", ""))) for n, m in found]
         if quoted != [totals[title]]:
             out.append(f"README.md quotes the walk {title} as {quoted or 'nothing'} "
-                       f"(phrase {pattern!r}); walk.py counts {totals[title][0]} definitions, {totals[title][1]:,} lines")
+                       f"(phrase {pattern!r}); walk.py counts {totals[title][0]} definitions, "
+                       f"{totals[title][1]:,} lines")
     return out
 
 
