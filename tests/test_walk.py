@@ -1,5 +1,7 @@
 """The README's walk figures are the walk's (tests/benchmarks/walk.py): a change to a walked
-definition that leaves the README's numbers stale fails here."""
+definition that leaves the README's numbers stale fails here. And the style guide's line
+length holds for every Python file of the project (tests/faults.md T4)."""
+import glob
 import os
 import subprocess
 import sys
@@ -11,3 +13,13 @@ def test_readme_quotes_the_walk():
     out = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "walk.py"), "--check"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_python_line_is_at_most_120_characters():
+    root = os.path.dirname(HERE)
+    files = [f for pattern in ("*.py", "data/*.py", "tests/*.py", "tests/benchmarks/*.py")
+             for f in sorted(glob.glob(os.path.join(root, pattern)))]
+    assert len(files) > 20  # the five stage files, data's scripts, the tests and benchmarks
+    long = [f"{os.path.relpath(f, root)}:{n}: {len(line)}" for f in files
+            for n, line in enumerate(open(f, encoding="utf-8").read().splitlines(), 1) if len(line) > 120]
+    assert long == []
