@@ -824,6 +824,15 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
     assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
     assert compare.holm([0.6, 0.7]) == [1.0, 1.0]
+    # both full pairs: the table takes them (seed 2), MATH-500's 2 problems 1 gained: McNemar p = 1, Holm 1
+    write("gsm8k_all_start", [0, 0, 0])
+    write("gsm8k_all_sft_grpo_seed2", [1, 1, 1])  # 3 gained: 2 / 8 = 0.25; Holm 0.5, then max(0.5, 1) = 1
+    compare.main(["--lead", str(tmp_path), "--draws", "200"])
+    out = capsys.readouterr().out
+    assert "(k = 1; SFT + GRPO's seed 2; p adjusted by Holm's method for the two sets)" in out
+    assert "| MATH-500, integer answers | 2 | 50.0 [" in out and "| 1 (1, 0) | 1 |\n" in out
+    assert out.endswith("| GSM8K test | 3 | 0.0 [0.0, 56.1] | 100.0 [43.9, 100.0] | +100.0 [+100.0, +100.0] | "
+                        "0.25 (3, 0) | 0.5 |\n")
     # k = 2 is refused (McNemar and Wilson are for one sample a problem)
     write("heldout_start", [1, 0, 0, 0], k=2)
     with pytest.raises(ex.InputError, match=r"heldout_start.samples.jsonl.gz: more than one sample a problem"):
