@@ -20,6 +20,9 @@ def test_every_python_line_is_at_most_120_characters():
     files = [f for pattern in ("*.py", "data/*.py", "tests/*.py", "tests/benchmarks/*.py")
              for f in sorted(glob.glob(os.path.join(root, pattern)))]
     assert len(files) > 20  # the five stage files, data's scripts, the tests and benchmarks
-    long = [f"{os.path.relpath(f, root)}:{n}: {len(line)}" for f in files
-            for n, line in enumerate(open(f, encoding="utf-8").read().splitlines(), 1) if len(line) > 120]
+    long = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+        long += [f"{os.path.relpath(f, root)}:{n}: {len(line)}" for n, line in enumerate(lines, 1) if len(line) > 120]
     assert long == []
