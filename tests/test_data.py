@@ -783,8 +783,9 @@ def test_recipe_script_carries_the_start_models_unfinished_full_sets_to_a_new_ma
 def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     import compare
 
-    def write(name, scores, k=1):
-        rows = [sample_row(f"p{i}", f"What is {i}?", j, bool(x)) for i, x in enumerate(scores) for j in range(k)]
+    def write(name, scores, k=1, golds=()):
+        rows = [sample_row(f"p{i}", f"What is {i}?", j, bool(x), answer=(golds or ["6"] * len(scores))[i])
+                for i, x in enumerate(scores) for j in range(k)]
         with gzip.open(tmp_path / f"{name}.samples.jsonl.gz", "wt") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -795,8 +796,8 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     write("heldout_sft_grpo", [1, 1, 1, 1])
     write("heldout_sft_grpo_seed2", [1, 1, 1, 1])  # no seed 1 (yet): the comparison takes seeds 0 and 2
     write("heldout_control_group", [0, 0, 0, 0])
-    write("math500_start", [0, 0, 0, 0, 1, 1])
-    write("math500_sft_grpo", [1, 1, 1, 1, 1, 0])
+    write("math500_start", [0, 0, 0, 0, 1, 1], golds=["1", "6", "6", "6", "6", "6"])
+    write("math500_sft_grpo", [1, 1, 1, 1, 1, 0], golds=["1", "6", "6", "6", "6", "6"])
     write("gsm8k_start", [0, 0, 0, 0])
     write("gsm8k_sft_grpo", [1, 1, 0, 0])
     write("math500_all_start", [0, 1])  # a full pair for one set only: both tables stay on the first 100
@@ -819,7 +820,12 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     # math500: 4 gained, 1 lost: McNemar 2 (1 + 5) / 32 = 0.375; gsm8k 2, 0: 2 / 4 = 0.5; Holm: 0.75, then 0.75
     assert "(k = 1; SFT + GRPO's seed 0; p adjusted by Holm's method for the two sets)" in out
     assert "| MATH-500, integer answers | 6 | 33.3 [9.7, 70.0] | 83.3 [43.6, 97.0] | +50.0 [" in out
-    assert "| 0.375 (4, 1) | 0.75 |\n" in out and out.endswith("| 0.5 (2, 0) | 0.75 |\n")
+    assert "| 0.375 (4, 1) | 0.75 |\n" in out and "| 0.5 (2, 0) | 0.75 |\n" in out
+    # without p0 (gold 1, a hit of SFT + GRPO's only): [0, 0, 0, 1, 1] against [1, 1, 1, 1, 0], 3 gained, 1 lost:
+    # +2 / 5 = +40.0, McNemar 2 (1 + 4) / 16 = 0.625; GSM8K (every gold 6) as in its row
+    assert out.endswith("(start's and SFT + GRPO's hits on those; p unadjusted): MATH-500, integer answers 5 "
+                        "problems (0, 1 hits), gain +40.0, McNemar p = 0.625 (3, 1); GSM8K test 4 problems "
+                        "(0, 0 hits), gain +50.0, McNemar p = 0.5 (2, 0)\n")
     # Holm by hand: the smaller p times 2, the larger at least that
     assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
     assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
@@ -831,8 +837,8 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(k = 1; SFT + GRPO's seed 2; p adjusted by Holm's method for the two sets)" in out
     assert "| MATH-500, integer answers | 2 | 50.0 [" in out and "| 1 (1, 0) | 1 |\n" in out
-    assert out.endswith("| GSM8K test | 3 | 0.0 [0.0, 56.1] | 100.0 [43.9, 100.0] | +100.0 [+100.0, +100.0] | "
-                        "0.25 (3, 0) | 0.5 |\n")
+    assert "| GSM8K test | 3 | 0.0 [0.0, 56.1] | 100.0 [43.9, 100.0] | +100.0 [+100.0, +100.0] | " \
+        "0.25 (3, 0) | 0.5 |\n" in out
     # k = 2 is refused (McNemar and Wilson are for one sample a problem)
     write("heldout_start", [1, 0, 0, 0], k=2)
     with pytest.raises(ex.InputError, match=r"heldout_start.samples.jsonl.gz: more than one sample a problem"):
