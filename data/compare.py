@@ -306,11 +306,11 @@ def public_sets(folder: str, draws: int, seed: int) -> None:
     without = []
     for what, x, y, _, _, _, small in rows:
         gained, lost = gained_lost(x[~small], y[~small])
-        without.append(f"{what} {int((~small).sum())} problems ({int(x[small].sum())}, {int(y[small].sum())} hits), "
-                       f"gain {100 * (y - x)[~small].mean():+.1f}, McNemar p = {mcnemar_exact(gained, lost):.3g} "
+        without.append(f"{what}: {int((~small).sum())} problems (of the {int(small.sum())} left out, start solved "
+                       f"{int(x[small].sum())}, SFT + GRPO {int(y[small].sum())}), gain "
+                       f"{100 * (y - x)[~small].mean():+.1f}, McNemar p = {mcnemar_exact(gained, lost):.3g} "
                        f"({gained}, {lost})")
-    print(f"\nWithout the problems whose gold is 0, 1 or 2 (start's and SFT + GRPO's hits on those; p unadjusted): "
-          f"{'; '.join(without)}")
+    print(f"\nWithout the problems whose gold is 0, 1 or 2 (p unadjusted): {'; '.join(without)}")
 
 
 def guessable(run: dict) -> np.ndarray:

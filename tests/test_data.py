@@ -823,9 +823,9 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     assert "| 0.375 (4, 1) | 0.75 |\n" in out and "| 0.5 (2, 0) | 0.75 |\n" in out
     # without p0 (gold 1, a hit of SFT + GRPO's only): [0, 0, 0, 1, 1] against [1, 1, 1, 1, 0], 3 gained, 1 lost:
     # +2 / 5 = +40.0, McNemar 2 (1 + 4) / 16 = 0.625; GSM8K (every gold 6) as in its row
-    assert out.endswith("(start's and SFT + GRPO's hits on those; p unadjusted): MATH-500, integer answers 5 "
-                        "problems (0, 1 hits), gain +40.0, McNemar p = 0.625 (3, 1); GSM8K test 4 problems "
-                        "(0, 0 hits), gain +50.0, McNemar p = 0.5 (2, 0)\n")
+    assert out.endswith("(p unadjusted): MATH-500, integer answers: 5 problems (of the 1 left out, start solved 0, "
+                        "SFT + GRPO 1), gain +40.0, McNemar p = 0.625 (3, 1); GSM8K test: 4 problems (of the 0 left "
+                        "out, start solved 0, SFT + GRPO 0), gain +50.0, McNemar p = 0.5 (2, 0)\n")
     # Holm by hand: the smaller p times 2, the larger at least that
     assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
     assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
