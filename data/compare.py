@@ -276,7 +276,8 @@ def held_out_rows(folder: str, draws: int, seed: int) -> dict:
 def public_sets(folder: str, draws: int, seed: int) -> None:
     """Print the public sets' table, start against SFT + GRPO: the full rows where both sets
     have them (SFT + GRPO's seed 2), else the first 100 problems of both (seed 0); nothing
-    when neither pair is complete. McNemar's p is adjusted by Holm's method over the two sets."""
+    when neither pair is complete. McNemar's p is adjusted by Holm's method over the two sets.
+    Then a line: each set's gain without the problems whose gold is 0, 1 or 2 (`guessable`)."""
     sets = (("math500", "MATH-500, integer answers"), ("gsm8k", "GSM8K test"))
     full = {bench: [f"{bench}_all_start", f"{bench}_all_sft_grpo_seed2"] for bench, _ in sets}
     first = {bench: [f"{bench}_start", f"{bench}_sft_grpo"] for bench, _ in sets}
