@@ -823,22 +823,28 @@ def test_lead_tables_average_seeds_and_adjust_the_public_sets(tmp_path, capsys):
     assert "| 0.375 (4, 1) | 0.75 |\n" in out and "| 0.5 (2, 0) | 0.75 |\n" in out
     # without p0 (gold 1, a hit of SFT + GRPO's only): [0, 0, 0, 1, 1] against [1, 1, 1, 1, 0], 3 gained, 1 lost:
     # +2 / 5 = +40.0, McNemar 2 (1 + 4) / 16 = 0.625; GSM8K (every gold 6) as in its row
-    assert out.endswith("(p unadjusted): MATH-500, integer answers: 5 problems (of the 1 left out, start solved 0, "
-                        "SFT + GRPO 1), gain +40.0, McNemar p = 0.625 (3, 1); GSM8K test: 4 problems (of the 0 left "
-                        "out, start solved 0, SFT + GRPO 0), gain +50.0, McNemar p = 0.5 (2, 0)\n")
+    assert out.endswith("(a sensitivity check; gain in points, p unadjusted): MATH-500, integer answers: 5 problems "
+                        "(of the 1 left out, start solved 0, SFT + GRPO 1), gain +40.0, McNemar p = 0.625 (3, 1); "
+                        "GSM8K test: 4 problems (of the 0 left out, start solved 0, SFT + GRPO 0), gain +50.0, "
+                        "McNemar p = 0.5 (2, 0)\n")
+    # guessable follows per_problem's sorted order, not the file's: p10 sorts before p9
+    run = {("b", "p9"): ("What is 9?", "1", [1.0], [1.0]), ("b", "p10"): ("What is 10?", "7", [0.0], [1.0])}
+    assert compare.guessable(run).tolist() == [False, True]
     # Holm by hand: the smaller p times 2, the larger at least that
     assert compare.holm([0.04, 0.03]) == [0.06, 0.06]
     assert compare.holm([0.01, 0.5]) == [0.02, 0.5]
     assert compare.holm([0.6, 0.7]) == [1.0, 1.0]
     # both full pairs: the table takes them (seed 2), MATH-500's 2 problems 1 gained: McNemar p = 1, Holm 1
-    write("gsm8k_all_start", [0, 0, 0])
-    write("gsm8k_all_sft_grpo_seed2", [1, 1, 1])  # 3 gained: 2 / 8 = 0.25; Holm 0.5, then max(0.5, 1) = 1
+    write("gsm8k_all_start", [0, 0, 0], golds=["2", "0", "1"])  # every gold 0, 1 or 2: none left for the check
+    write("gsm8k_all_sft_grpo_seed2", [1, 1, 1], golds=["2", "0", "1"])  # 3 gained: 2 / 8 = 0.25; Holm 0.5, then 1
     compare.main(["--lead", str(tmp_path), "--draws", "200"])
     out = capsys.readouterr().out
     assert "(k = 1; SFT + GRPO's seed 2; p adjusted by Holm's method for the two sets)" in out
     assert "| MATH-500, integer answers | 2 | 50.0 [" in out and "| 1 (1, 0) | 1 |\n" in out
     assert "| GSM8K test | 3 | 0.0 [0.0, 56.1] | 100.0 [43.9, 100.0] | +100.0 [+100.0, +100.0] | " \
         "0.25 (3, 0) | 0.5 |\n" in out
+    assert out.endswith("MATH-500, integer answers: 2 problems (of the 0 left out, start solved 0, SFT + GRPO 0), "
+                        "gain +50.0, McNemar p = 1 (1, 0); GSM8K test: no problem left\n")
     # k = 2 is refused (McNemar and Wilson are for one sample a problem)
     write("heldout_start", [1, 0, 0, 0], k=2)
     with pytest.raises(ex.InputError, match=r"heldout_start.samples.jsonl.gz: more than one sample a problem"):

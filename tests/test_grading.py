@@ -582,19 +582,20 @@ def test_a_mixed_number_and_a_gold_written_as_an_expression_A24(pred, gold, righ
 # --- The reward's integrity: a hedged answer is paid for one integer gold at most -------------------
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("boxed", [
-    r"\boxed{5} \text{ or } \boxed{70}", r"\boxed{5} OR \boxed{70}", r"\boxed{5}; \boxed{70}",
-    r"\boxed{5}, \boxed{70}", r"\boxed{5 \text{ or } 70}", r"\boxed{70 \text{ likely}}", r"\boxed{5, x = 70}",
-    r"\boxed{x = 5 \text{ or } x = 70}",
-    r"\boxed{70 \pm 5}", r"\boxed{[5, 70]}", r"\boxed{5 \vee 70}", r"\boxed{7\quad 0}", r"\boxed{\{5,70\}}",
-    r"\boxed{5 - 70}", r"\boxed{5/70}", r"\boxed{5 \times 14}",
+@pytest.mark.parametrize("boxed,paid", [
+    (r"\boxed{5} \text{ or } \boxed{70}", [70]), (r"\boxed{5} OR \boxed{70}", [70]), (r"\boxed{5}; \boxed{70}", [70]),
+    (r"\boxed{70 \text{ likely}}", [70]), (r"\boxed{5, x = 70}", [70]), (r"\boxed{7\quad 0}", [70]),
+    (r"\boxed{5}, \boxed{70}", []), (r"\boxed{5 \text{ or } 70}", []), (r"\boxed{x = 5 \text{ or } x = 70}", []),
+    (r"\boxed{70 \pm 5}", []), (r"\boxed{[5, 70]}", []), (r"\boxed{5 \vee 70}", []), (r"\boxed{\{5,70\}}", []),
+    (r"\boxed{5 - 70}", []), (r"\boxed{5/70}", []), (r"\boxed{5 \times 14}", []),
 ])
-def test_no_completion_is_right_for_two_integer_golds(boxed):
+def test_no_completion_is_right_for_two_integer_golds(boxed, paid):
     """GRPO's reward for an integer gold pays a completion for at most one gold, so naming
     several candidates never earns more than committing to one: grade's integer rule reduces an
-    answer to one number or to none. Some hedges are paid like their last candidate (the
-    first three; `70 \\text{ likely}`, an unlisted hedge word, A23), none for two golds. The
-    golds: -10..1000 and the digit runs 570, 705, 5070."""
+    answer to one number or to none. The first six are paid like their last candidate (prose
+    between boxes, A12; a hedge word outside A23's list; A22's equation rule; TeX spacing): a
+    stricter grader may pay them nothing, never two golds. The golds: -10..1000 and the digit
+    runs 570, 705, 5070."""
     pred = extract_answer(f"So the answer is ${boxed}$.")
     golds = [g for g in [*range(-10, 1001), 570, 705, 5070] if executor.correct(pred, {"answer": str(g)})]
-    assert len(golds) <= 1, (pred, golds)
+    assert golds == paid, pred
