@@ -155,12 +155,6 @@ def _bare(s: str) -> str:
     return _MARKUP.sub("", s.replace("}{", "/"))
 
 
-def _printed(out: str) -> str:
-    """An execution output up to Python's error text (_ERROR_TEXT): what the block printed."""
-    error = _ERROR_TEXT.search(out)
-    return out[:error.start()] if error else out
-
-
 def answer_in_output(pred: str, outputs) -> bool:
     """Whether the answer appears in at least one of the execution outputs.
 
@@ -174,7 +168,7 @@ def answer_in_output(pred: str, outputs) -> bool:
     Only what the block printed counts, not Python's error text after it: `2` does not
     match the `line 2` of a traceback (tests/faults.md A18).
     """
-    outputs = [_printed(out) for out in outputs if out]
+    outputs = [_ERROR_TEXT.split(out, maxsplit=1)[0] for out in outputs if out]  # what the blocks printed
     value = ex.number_value(pred)
     if value is not None:
         return any(ex.number_value(t) == value for out in outputs if out for t in _OUT_NUMBER.findall(out))
