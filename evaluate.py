@@ -206,8 +206,7 @@ def prose_after_plan(completion: str) -> str:
     prose between or after its blocks."""
     prose = "".join(s.text for s in ex.split_completion(completion) if s.kind == "prose")
     lines = prose.replace("</think>", "").split("\n")
-    boxed = [i for i, ln in enumerate(lines) if "\\boxed" in ln or "\\fbox" in ln]
-    if boxed:
+    if boxed := [i for i, ln in enumerate(lines) if "\\boxed" in ln or "\\fbox" in ln]:
         del lines[boxed[-1]]
     return "\n".join(lines).strip()
 
@@ -470,8 +469,7 @@ def rank_share(problems, done, k: int, rank: int, world: int):
     families in data/exact_test.jsonl) does not put half the kinds on each of two ranks (their
     lengths differ: 13 min against 48 for two halves of one held-out row)."""
     todo = [(b, q) for b, q in problems if any((b, q["id"], j) not in done for j in range(k))]
-    todo.sort(key=lambda bq: sample_seed(0, bq[0], bq[1]["id"], 0))
-    return todo[rank::world]
+    return sorted(todo, key=lambda bq: sample_seed(0, bq[0], bq[1]["id"], 0))[rank::world]
 
 
 def sample_seed(seed: int, benchmark: str, problem_id: str, j: int) -> int:
@@ -598,8 +596,7 @@ def run(args) -> None:
             # every prompt is measured before any forward: one with no room for a token under
             # --max-context would be prefilled for nothing, and a benchmark is not cut silently
             prompts = {(b, q["id"]): ex.stage_prompt_ids(tok, q["problem"], args.stateful, shots) for b, q in problems}
-            long = [key for key, ids in prompts.items() if len(ids) >= args.max_context]
-            if long:
+            if long := [key for key, ids in prompts.items() if len(ids) >= args.max_context]:
                 raise ex.InputError(f"{len(long)} of {len(prompts)} prompts leave no room under --max-context "
                                     f"{args.max_context} (e.g. {long[0]}: {len(prompts[long[0]])} tokens): "
                                     "raise it, or remove those problems")

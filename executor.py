@@ -2534,8 +2534,7 @@ def read_problems(path: str) -> list:
                 raise InputError(f"{where}: {what} field '{field}' (or one of {keys[1:]})")
             value = _problem_value(where, key, row[key], numbers_ok=field == "answer" and key != "solution")
             if key == "solution":
-                value = extract_answer(value, prose_only=False)
-                if value is None:
+                if (value := extract_answer(value, prose_only=False)) is None:
                     raise InputError(f"{where}: field 'solution' has no \\boxed{{}} answer")
             elif field == "answer" and not (value := final_answer(value)):
                 raise InputError(f"{where}: field '{key}' has no answer after '####'")
