@@ -413,9 +413,8 @@ def load_sft_data(data, tokenizer, max_len: int, stateful: bool = False):
     Returns (examples, n_dropped): examples longer than `max_len` tokens are dropped and
     counted, never truncated. Raises InputError naming file:line for a bad row."""
     eot = executor.end_of_turn_id(tokenizer)
-    examples = []
-    for where, problem, completion, outputs in read_trajectories(data) if isinstance(data, str) else data:
-        examples.append(build_example(tokenizer, problem, completion, outputs, eot, stateful=stateful))
+    examples = [build_example(tokenizer, problem, completion, outputs, eot, stateful=stateful)
+                for _, problem, completion, outputs in (read_trajectories(data) if isinstance(data, str) else data)]
     kept = [e for e in examples if len(e["ids"]) <= max_len]
     return kept, len(examples) - len(kept)
 
