@@ -653,8 +653,7 @@ def check_run_dirs(prog: str, args, run_files: tuple, same: tuple = ()) -> str |
                 raise executor.InputError(f"{state}: a damaged trainer state (a cut file?): resume from another "
                                           "checkpoint, or start from its weights with --model")
         return resume
-    found = [f for f in run_files if os.path.exists(os.path.join(out, f))]
-    if found:
+    if found := [f for f in run_files if os.path.exists(os.path.join(out, f))]:
         ckpt = newest_checkpoint(out)
         advice = f"continue it with --resume {ckpt}" if ckpt else "it saved no checkpoint yet: delete it"
         raise executor.InputError(f"--out {out} already holds a run ({found[0]}); {advice}, or give a new --out")
